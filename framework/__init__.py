@@ -1,0 +1,25 @@
+"""hydraspeed: PyTorch training composed from Hydra configs and executed by DeepSpeed.
+
+Public API::
+
+    from framework import Engine, Strategy
+"""
+
+from framework import device as _device
+
+_device.configure_environment()  # before DeepSpeed picks its accelerator
+
+from framework.callbacks import Callback, EarlyStopping, Event, LearningRateMonitor, TrainState  # noqa: E402
+from framework.engine import Engine  # noqa: E402
+from framework.strategy import ConfigError, Strategy  # noqa: E402
+
+__all__ = [
+    "Callback",
+    "ConfigError",
+    "EarlyStopping",
+    "Engine",
+    "Event",
+    "LearningRateMonitor",
+    "Strategy",
+    "TrainState",
+]

@@ -1,0 +1,211 @@
+"""Hydra entry: a composed config becomes objects, objects become a run.
+
+`train.py` is a few lines around `run(cfg)`. The straight line::
+
+    prepare_argv -> Hydra composes conf/ -> run(cfg)
+      -> launch (in-process, or N local workers)
+      -> train(cfg, output_dir): data, model (inside zero.Init for ZeRO-3), loss, metrics,
+         optimizer, scheduler, loggers -> Engine.fit -> files + the monitored value
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from framework import device as dev
+from framework.callbacks import Callback, TrainState
+from framework.config import GROUPS, check_schema, register_configs
+from framework.engine import Engine, model_init_context
+from framework.loggers import MetricsFile
+from framework.strategy import ConfigError, Strategy, deepspeed_config
+
+register_configs()
+
+
+def normalize_overrides(overrides: list[str]) -> list[str]:
+    """`+strategy=zero3` and `strategy=zero3` both select an option of a default group: Hydra
+    accepts only one form per defaults-list entry, so the `+` of our own groups is dropped."""
+    out = []
+    for item in overrides:
+        if item.startswith("+") and not item.startswith("++"):
+            key = item[1:].split("=", 1)[0]
+            if key in GROUPS:
+                item = item[1:]
+        out.append(item)
+    return out
+
+
+def prepare_argv(argv: list[str] | None = None) -> None:
+    """Rewrite `sys.argv` before Hydra parses it.
+
+    * `+group=x` -> `group=x` for our groups (both forms work).
+    * On ranks > 0 of a job started by a launcher (torchrun, deepspeed, srun), Hydra must not
+      create a second output dir or log file: rank 0's dir is shared with them after the
+      process group forms.
+    """
+    argv = sys.argv if argv is None else argv
+    argv[1:] = normalize_overrides(argv[1:])
+    if dev.launched() and int(os.environ.get("RANK", "0")) > 0:
+        argv.extend(["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout"])
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (all devices)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def hydra_output_dir() -> str | None:
+    """This job's output dir when running under Hydra."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        return str(HydraConfig.get().runtime.output_dir)
+    return None
+
+
+def _is_multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def run(cfg: DictConfig) -> float | None:
+    """Run one job from a composed config; return the monitored value (for sweepers)."""
+    verbose = bool(cfg.trainer.verbose) or os.environ.get("HYDRA_FULL_ERROR") == "1"
+    dev.quiet_deepspeed(verbose)
+    try:
+        return train(cfg, hydra_output_dir())
+    except (ConfigError, InstantiationException, FileNotFoundError) as exc:
+        if verbose:
+            raise
+        message = _explain(exc)
+        if dev.rank() == 0 or not isinstance(exc, ConfigError):
+            print(f"Error: {message}", file=sys.stderr)
+        if _is_multirun():
+            raise JobFailed(message) from None
+        sys.exit(1)
+
+
+class JobFailed(RuntimeError):
+    """One job of a sweep failed for a reason already printed."""
+
+
+def _explain(exc: BaseException) -> str:
+    if isinstance(exc, InstantiationException):
+        text = str(exc).strip()
+        return text.replace("\n", " | ")
+    return str(exc)
+
+
+class RunFiles(Callback):
+    """Rank 0 writes the DeepSpeed config that the engine really received, then the final metrics."""
+
+    def __init__(self, output_dir: Path, monitor: str):
+        self.output_dir, self.monitor = output_dir, monitor
+
+    def on_fit_start(self, state: TrainState) -> None:
+        """deepspeed_config.json next to the resolved config."""
+        assert state.engine is not None
+        with open(self.output_dir / "deepspeed_config.json", "w") as f:
+            json.dump(state.engine.deepspeed_config, f, indent=2)
+
+    def on_fit_end(self, state: TrainState) -> None:
+        """final_metrics.json: the last value of each logged quantity."""
+        final = {k: v[-1] for k, v in state.history.items() if v}
+        final.update(step=state.global_step, batches=state.batches_fetched, samples=state.samples_seen)
+        with open(self.output_dir / "final_metrics.json", "w") as f:
+            json.dump(final, f, indent=2, default=float)
+
+
+def _instantiate_logger(node: DictConfig, output_dir: Path, cfg: DictConfig) -> Any:
+    """Loggers that take `output_dir` / `config` get this run's."""
+    from hydra.utils import get_method
+
+    extra: dict[str, Any] = {}
+    try:
+        params = inspect.signature(get_method(node._target_)).parameters
+    except Exception:
+        params = {}  # type: ignore[assignment]
+    if "output_dir" in params and node.get("output_dir") is None:
+        extra["output_dir"] = str(output_dir)
+    if "config" in params and node.get("config") is None:
+        extra["config"] = OmegaConf.to_container(cfg, resolve=True)
+    return instantiate(node, **extra)
+
+
+def _instantiate_optional(node: Any) -> Any:
+    if node is None or (isinstance(node, DictConfig) and node.get("_target_") is None):
+        return None
+    return instantiate(node)
+
+
+def train(cfg: DictConfig, output_dir: str | None) -> float | None:
+    """Train in this process (one rank of the job): build everything from `cfg`, fit, write files."""
+    check_schema(cfg)
+    t = cfg.trainer
+    strategy = Strategy.from_config(cfg.strategy)
+    with dev.process_group(timeout_s=t.timeout_s):
+        if dev.world_size() > 1 and dev.launched() and t.devices not in (1, dev.world_size()):
+            raise ConfigError(
+                f"trainer.devices={t.devices} but the launcher started {dev.world_size()} processes; "
+                f"drop trainer.devices or set it to {dev.world_size()}"
+            )
+        out = Path(dev.broadcast_object(output_dir or os.path.join("outputs", "run")))
+        main = dev.is_main_process()
+        if main:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        seed_everything(t.seed)
+        splits = instantiate(cfg.data.dataset)
+        preview = deepspeed_config(strategy, t.batch_size, dev.world_size())
+        with model_init_context(strategy, preview):
+            model = instantiate(cfg.model)
+        callbacks: list[Callback] = []
+        if main:
+            loggers = [
+                _instantiate_logger(node, out, cfg) for node in cfg.logger.values() if node is not None
+            ]
+            callbacks += loggers + [MetricsFile(out / "metrics.jsonl"), RunFiles(out, t.monitor)]
+        callbacks += [instantiate(node) for node in cfg.callbacks.values() if node is not None]
+        engine = Engine(
+            model,
+            loss=instantiate(cfg.loss),
+            optimizer=instantiate(cfg.optimizer),
+            metrics={name: instantiate(node) for name, node in cfg.metrics.items()},
+            strategy=strategy,
+            scheduler=_instantiate_optional(cfg.scheduler),
+            train_step=_instantiate_optional(cfg.step),
+            callbacks=callbacks,
+            seed=t.seed,
+            prefetch=cfg.data.prefetch,
+        )
+        history = engine.fit(
+            splits.train,
+            splits.valid,
+            epochs=t.epochs,
+            batch_size=t.batch_size,
+            steps_per_epoch=t.steps_per_epoch,
+            valid_freq=t.valid_every,
+            log_freq=t.log_every,
+            max_steps=t.max_steps,
+            valid_batch_size=t.valid_batch_size,
+            shuffle=cfg.data.shuffle,
+            num_workers=cfg.data.num_workers,
+        )
+        values = history.get(t.monitor)
+        return float(values[-1]) if values else None

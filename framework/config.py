@@ -1,0 +1,117 @@
+"""The typed schema of `conf/train.yaml`, registered in Hydra's ConfigStore.
+
+Hydra merges the YAML files onto these dataclasses, so a typo'd key (`trainer.epoch=3`) or a
+wrong type (`trainer.batch_size=big`) fails at composition with Hydra's own message. Groups
+whose options are arbitrary `_target_` objects (model, optimizer, ...) are `Any`: their keys
+are checked against the target's signature when they are instantiated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from framework.strategy import Strategy
+
+# Config groups chosen in train.yaml's defaults list. `+group=x` and `group=x` both select an
+# option of these (see framework.cli.prepare_argv).
+GROUPS = (
+    "model",
+    "data",
+    "strategy",
+    "optimizer",
+    "scheduler",
+    "trainer",
+    "logger",
+    "callbacks",
+    "experiment",
+)
+
+
+@dataclass
+class DataConfig:
+    """Where samples come from and how they are loaded."""
+
+    dataset: Any = MISSING  # {_target_: ...} returning framework.datasets.Splits(train, valid)
+    shuffle: bool = True  # shuffle the training set each epoch
+    num_workers: int = 0  # DataLoader worker processes
+    prefetch: int = 2  # batches kept ready on the device ahead of the step
+
+
+@dataclass
+class TrainerConfig:
+    """The training loop's knobs. `batch_size` is global: split over ranks and accumulation steps."""
+
+    epochs: int = 10
+    max_steps: int | None = None  # stop after this many optimizer steps
+    steps_per_epoch: int | None = None  # cap optimizer steps per epoch
+    batch_size: int = 64
+    valid_batch_size: int | None = None  # default: batch_size
+    valid_every: int = 1  # validate every N epochs
+    devices: int = 1  # worker processes on this machine (ignored when launched by torchrun/deepspeed/srun)
+    seed: int = 0
+    log_every: int = 10  # optimizer steps between logged lines / metrics.jsonl records
+    monitor: str = "val_loss"  # the value train.py returns (what sweepers optimise)
+    verbose: bool = False  # show DeepSpeed's own logs and full tracebacks
+    timeout_s: float = 300.0  # collective timeout: a dead rank fails the job instead of hanging it
+
+
+@dataclass
+class TrainConfig:
+    """Everything one run needs."""
+
+    model: Any = MISSING
+    data: DataConfig = field(default_factory=DataConfig)
+    strategy: Strategy = field(default_factory=Strategy)
+    optimizer: Any = MISSING
+    scheduler: Any = None
+    loss: Any = MISSING
+    metrics: dict[str, Any] = field(default_factory=dict)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: dict[str, Any] = field(default_factory=dict)
+    callbacks: dict[str, Any] = field(default_factory=dict)
+    step: Any = None  # a custom training step: {_target_: my.step, _partial_: true}
+
+
+def register_configs() -> None:
+    """Register the schema so `train.yaml` can name it first in its defaults list."""
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+
+
+def check_schema(cfg: Any, schema: type = TrainConfig, prefix: str = "") -> None:
+    """Reject keys the schema does not know, naming the nearest valid key.
+
+    Hydra lets `+trainer.epoch=3` add a key even to a typed node; this catches it (and any key
+    a YAML file added) before the run starts.
+    """
+    import dataclasses
+    import difflib
+
+    from omegaconf import DictConfig
+
+    from framework.strategy import ConfigError
+
+    known = {f.name: f for f in dataclasses.fields(schema)}
+    for key in cfg.keys() if isinstance(cfg, DictConfig) else []:
+        key = str(key)
+        name = f"{prefix}{key}"
+        if key not in known:
+            close = difflib.get_close_matches(key, list(known), n=1)
+            hint = f"did you mean '{prefix}{close[0]}'? " if close else ""
+            raise ConfigError(f"unknown config key '{name}'; {hint}valid keys: {', '.join(known)}")
+        field_type = _dataclass_of(schema, known[key])
+        if field_type is not None:
+            check_schema(cfg[key], field_type, prefix=f"{name}.")
+
+
+def _dataclass_of(schema: type, f: Any) -> type | None:
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(schema)
+    candidate = hints.get(f.name)
+    return candidate if isinstance(candidate, type) and dataclasses.is_dataclass(candidate) else None

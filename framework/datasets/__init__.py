@@ -1,0 +1,5 @@
+"""Data that ships with the project or is generated: nothing is downloaded."""
+
+from framework.datasets.classification import Splits, digits, synthetic
+
+__all__ = ["Splits", "digits", "synthetic"]

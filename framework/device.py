@@ -1,0 +1,237 @@
+"""Device, backend and process-group handling: the one place that knows CUDA from CPU.
+
+Everything else asks this module for `device()`, `backend()`, `rank()` and friends, so a
+run is correct on CUDA (nccl, one GPU per local rank) and on a laptop CPU (gloo, DeepSpeed's
+CPU accelerator) without a branch anywhere else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import io
+import logging
+import os
+import socket
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+# Environment variables this process set itself for a launcher-less single process; removed on teardown.
+_owned_env: list[str] = []
+_we_initialized = False
+
+
+def cuda_available() -> bool:
+    """True when this process should train on CUDA devices."""
+    return torch.cuda.is_available()
+
+
+def configure_environment() -> None:
+    """Set the environment DeepSpeed reads at import/first use: CPU accelerator when no CUDA.
+
+    Must run before `deepspeed.accelerator.get_accelerator()` is first called; importing
+    `framework` calls it.
+    """
+    if not cuda_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # Torch extensions (shm comm op) are never needed for gloo training; see init_process_group.
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+
+
+def backend() -> str:
+    """The collective backend: nccl on CUDA, gloo otherwise."""
+    return "nccl" if cuda_available() else "gloo"
+
+
+def launched() -> bool:
+    """True when a launcher (torchrun, deepspeed, srun wrapper) already set the rank variables."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def rank() -> int:
+    """Global rank (0 before the process group exists)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", 0))
+
+
+def world_size() -> int:
+    """Number of processes in the job (1 before the process group exists)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def local_rank() -> int:
+    """Rank of this process on its machine."""
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def is_main_process() -> bool:
+    """True on global rank 0: the only rank that writes logs, metrics and summaries."""
+    return rank() == 0
+
+
+def device() -> torch.device:
+    """The device this rank computes on."""
+    if cuda_available():
+        return torch.device("cuda", local_rank() % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def local_device_count() -> int:
+    """How many worker processes this machine can host usefully (GPUs, else CPU cores)."""
+    if cuda_available():
+        return torch.cuda.device_count()
+    return os.cpu_count() or 1
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on this machine."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def quiet_deepspeed(verbose: bool = False) -> None:
+    """Hide DeepSpeed's INFO/WARNING chatter and torch.distributed's per-step deprecation warnings."""
+    if verbose:
+        return
+    for name in ("DeepSpeed", "deepspeed", "torch.distributed", "torch.distributed.elastic"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    with contextlib.suppress(Exception):
+        from deepspeed.utils import set_log_level_from_string
+
+        set_log_level_from_string("error")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed.*")
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed.*")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"deepspeed.*")
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"deepspeed.*")
+    warnings.filterwarnings("ignore", message=".*set_vital.*")
+
+
+def init_process_group(timeout_s: float = 300.0) -> None:
+    """Join (or create) the process group for this job; a no-op if it already exists.
+
+    A single process started without a launcher gets the five rendezvous variables
+    DeepSpeed needs (else it tries MPI discovery), on a fresh free port.
+    """
+    global _we_initialized
+    if dist.is_initialized():
+        return
+    if not launched():
+        defaults = {
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+        }
+        for key, value in defaults.items():
+            if key not in os.environ:
+                os.environ[key] = value
+                _owned_env.append(key)
+    if cuda_available():
+        torch.cuda.set_device(device())
+    import deepspeed
+    import deepspeed.ops
+
+    # The shared-memory comm op is only used by AutoTP inference; marking it incompatible avoids a
+    # ~45 s JIT build. Setting the table directly also skips DeepSpeed's probe of every op
+    # (compiler subprocesses on first access); the comm backend is its only reader.
+    vars(deepspeed.ops).setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
+    with contextlib.redirect_stdout(io.StringIO()):
+        deepspeed.init_distributed(
+            dist_backend=backend(),
+            auto_mpi_discovery=False,
+            verbose=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    _we_initialized = True
+
+
+def destroy_process_group() -> None:
+    """Tear down a group this module created (a 2-rank gloo exit without it can SIGABRT)."""
+    global _we_initialized
+    if _we_initialized and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.barrier()
+        dist.destroy_process_group()
+        _forget_deepspeed_groups()
+    _we_initialized = False
+    while _owned_env:
+        os.environ.pop(_owned_env.pop(), None)
+
+
+def _forget_deepspeed_groups() -> None:
+    """DeepSpeed caches process groups in module globals; after the group is destroyed they are
+    stale and the next job in this process (a Hydra sweep, a test) would fail on them."""
+    with contextlib.suppress(ImportError):
+        import deepspeed.comm as ds_comm
+        from deepspeed.utils import groups
+
+        ds_comm.cdb = None
+        for name, value in list(vars(groups).items()):
+            if not (name.startswith("_") and name.isupper() and "GROUP" in name):
+                continue
+            if isinstance(value, dict):
+                value.clear()
+            elif value is not None and not isinstance(value, (int, str)):
+                setattr(groups, name, None)
+
+
+def to_device(batch: Any, dev: torch.device, float_dtype: torch.dtype | None = None) -> Any:
+    """Move a batch (tensor / tuple / list / dict, nested) to `dev`; cast floating tensors if asked."""
+    if isinstance(batch, torch.Tensor):
+        if float_dtype is not None and batch.is_floating_point():
+            return batch.to(dev, dtype=float_dtype, non_blocking=True)
+        return batch.to(dev, non_blocking=True)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(to_device(b, dev, float_dtype) for b in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, dev, float_dtype) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, dev, float_dtype) for k, v in batch.items()}
+    return batch
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank `src`'s `obj` on every rank (identity without a group)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def all_reduce_mean(value: float) -> float:
+    """Mean of a Python float over ranks."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device() if backend() == "nccl" else "cpu")
+    dist.all_reduce(t)
+    return float(t.item()) / dist.get_world_size()
+
+
+@contextlib.contextmanager
+def process_group(timeout_s: float = 300.0) -> Iterator[None]:
+    """Scope a run's process-group lifecycle (one per Hydra job, so sweeps can run jobs back to back)."""
+    init_process_group(timeout_s)
+    try:
+        yield
+    finally:
+        destroy_process_group()

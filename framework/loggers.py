@@ -1,0 +1,267 @@
+"""Where a run's numbers go: the console (rich progress / plain lines), `metrics.jsonl`, wandb.
+
+Loggers are callbacks; the CLI creates them on rank 0 only, so other ranks write nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from framework.callbacks import Callback, TrainState
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5):
+            return f"{value:.3e}"
+        return f"{value:.4f}"
+    return str(value)
+
+
+class ConsoleLogger(Callback):
+    """A live progress bar per epoch on a terminal (loss, lr, samples/s, ETA); plain periodic lines
+    when stdout is not a terminal (CI, Slurm logs); a summary table at the end."""
+
+    def __init__(self, output_dir: str | None = None, force_terminal: bool | None = None):
+        from rich.console import Console
+
+        self.console = Console(force_terminal=force_terminal, highlight=False, soft_wrap=True)
+        self.live = self.console.is_terminal and not os.environ.get("CI")
+        self.output_dir = output_dir
+        self.progress: Any = None
+        self.task: Any = None
+        self._t0 = self._window_t = time.perf_counter()
+        self._window_samples = 0
+        self._loss: float | None = None
+        self.best: dict[str, float] = {}
+
+    def on_fit_start(self, state: TrainState) -> None:
+        """Print what is about to run."""
+        engine = state.engine
+        self._t0 = time.perf_counter()
+        if engine is None:
+            return
+        from framework import device
+
+        n = sum(int(getattr(p, "ds_numel", p.numel())) for p in engine.module.parameters())
+        self.console.print(
+            f"[bold]{type(engine.module).__name__}[/bold] ({n:,} parameters) | {engine.strategy.describe()} | "
+            f"{engine.world_size} process(es) on {device.device().type} | global batch {state.global_batch_size} | "
+            f"{state.epochs} epoch(s) of {state.batches_per_epoch} batches per rank"
+        )
+
+    def on_epoch_start(self, state: TrainState) -> None:
+        """Open this epoch's progress bar."""
+        self._window_t, self._window_samples = time.perf_counter(), state.samples_seen
+        if not self.live:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.progress = Progress(
+            TextColumn(f"epoch {state.epoch + 1}/{state.epochs}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}  lr {task.fields[lr]}  {task.fields[speed]} samples/s"),
+            TimeRemainingColumn(),
+            console=self.console,
+            transient=True,
+        )
+        self.progress.start()
+        self.task = self.progress.add_task(
+            "train", total=state.batches_per_epoch, loss="-", lr="-", speed="-"
+        )
+
+    def _speed(self, state: TrainState) -> float:
+        now = time.perf_counter()
+        speed = (state.samples_seen - self._window_samples) / max(now - self._window_t, 1e-9)
+        return speed
+
+    def on_step_end(self, state: TrainState) -> None:
+        """Advance the bar (every step) or print a line (at logging points without a terminal)."""
+        if "loss" in state.logs:
+            self._loss = state.logs["loss"]
+        if self.live and self.progress is not None:
+            self.progress.update(
+                self.task,
+                completed=state.batches_in_epoch,
+                loss=_fmt(self._loss) if self._loss is not None else "-",
+                lr=f"{state.logs.get('lr', 0.0):.2e}",
+                speed=f"{self._speed(state):,.0f}",
+            )
+        elif state.log_now:
+            total = f"/{state.batches_per_epoch}" if state.batches_per_epoch else ""
+            self.console.print(
+                f"epoch {state.epoch + 1}/{state.epochs} step {state.global_step} batch {state.batches_in_epoch}{total} "
+                f"loss {_fmt(self._loss)} lr {state.logs.get('lr', 0.0):.2e} {self._speed(state):,.0f} samples/s"
+            )
+            self._window_t, self._window_samples = time.perf_counter(), state.samples_seen
+
+    def on_epoch_end(self, state: TrainState) -> None:
+        """One line per epoch with its training and validation numbers."""
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+        shown = {k: v for k, v in state.logs.items() if k not in ("epoch", "batches")}
+        for key, value in shown.items():
+            if isinstance(value, (int, float)) and math.isfinite(value) and key != "lr":
+                lower_is_better = "loss" in key
+                best = self.best.get(key)
+                if best is None or (value < best if lower_is_better else value > best):
+                    self.best[key] = float(value)
+        text = "  ".join(f"{k} {_fmt(v)}" for k, v in shown.items())
+        self.console.print(
+            f"epoch {state.epoch + 1}/{state.epochs}  step {state.global_step}  {text}  ({state.elapsed_s:.1f} s)"
+        )
+
+    def on_fit_end(self, state: TrainState) -> None:
+        """A summary table: final and best value of each metric, time, where outputs are."""
+        from rich.table import Table
+
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+        final = {k: v[-1] for k, v in state.history.items() if v}
+        table = Table(title="hydraspeed run summary", show_lines=False)
+        table.add_column("metric")
+        table.add_column("final", justify="right")
+        table.add_column("best", justify="right")
+        for key, value in final.items():
+            table.add_row(key, _fmt(value), _fmt(self.best[key]) if key in self.best else "")
+        self.console.print(table)
+        where = f"; outputs in {self.output_dir}" if self.output_dir else ""
+        reason = f" ({state.stop_reason})" if state.stop_reason else ""
+        self.console.print(
+            f"done: {state.global_step} optimizer steps, {state.batches_fetched} batches, {state.samples_seen:,} samples "
+            f"in {time.perf_counter() - self._t0:.1f} s{reason}{where}"
+        )
+
+
+class MetricsFile(Callback):
+    """Append one JSON object per logging step and per epoch to `metrics.jsonl` (flushed each line,
+    so a crash loses nothing that was logged)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed on fit end
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record, default=float) + "\n")
+        self._file.flush()
+
+    def on_step_end(self, state: TrainState) -> None:
+        """A record at each logging point."""
+        if state.log_now:
+            self._write(
+                {
+                    "kind": "step",
+                    "step": state.global_step,
+                    "epoch": state.epoch,
+                    "batches": state.batches_in_epoch,
+                    "batches_total": state.batches_fetched,
+                    "samples": state.samples_seen,
+                    **{k: v for k, v in state.logs.items() if k != "batches"},
+                }
+            )
+
+    def on_epoch_end(self, state: TrainState) -> None:
+        """A record with the epoch's summary (and validation)."""
+        self._write(
+            {"kind": "epoch", "step": state.global_step, "batches_total": state.batches_fetched, **state.logs}
+        )
+
+    def on_fit_end(self, state: TrainState) -> None:
+        """Close the file."""
+        self._file.close()
+
+
+class WandbLogger(Callback):
+    """Log to Weights & Biases from rank 0. Without an API key it runs offline and says how to sync;
+    `WANDB_MODE=disabled` is respected; a server that cannot be reached never stops training."""
+
+    def __init__(
+        self,
+        project: str = "hydraspeed",
+        output_dir: str | None = None,
+        config: dict[str, Any] | None = None,
+        group: str | None = None,
+        name: str | None = None,
+        mode: str | None = None,
+        tags: list[str] | None = None,
+    ):
+        self.project, self.output_dir, self.config = project, output_dir, config
+        self.group, self.name, self.mode, self.tags = group, name, mode, tags
+        self.run: Any = None
+
+    def _resolve_mode(self) -> str:
+        mode = self.mode or os.environ.get("WANDB_MODE")
+        if mode:
+            return mode
+        if os.environ.get("WANDB_API_KEY"):
+            return "online"
+        try:
+            import wandb
+
+            if wandb.api.api_key:
+                return "online"
+        except Exception:
+            pass
+        return "offline"
+
+    def on_fit_start(self, state: TrainState) -> None:
+        """Start the wandb run inside the output dir."""
+        import wandb
+
+        mode: Any = self._resolve_mode()
+        kwargs: dict[str, Any] = dict(
+            project=self.project,
+            dir=self.output_dir,
+            config=self.config,
+            group=self.group,
+            name=self.name,
+            tags=self.tags,
+        )
+        try:
+            self.run = wandb.init(mode=mode, **kwargs)
+        except Exception as exc:
+            if mode == "offline":
+                raise
+            print(
+                f"wandb: could not reach the server ({exc.__class__.__name__}); continuing offline",
+                file=sys.stderr,
+            )
+            mode = "offline"
+            self.run = wandb.init(mode=mode, **kwargs)
+        if mode == "offline" and self.run is not None:
+            print(
+                f"wandb: offline run (no API key); upload later with: wandb sync {self.run.dir.rsplit('/files', 1)[0]}"
+            )
+
+    def _log(self, data: dict[str, Any], step: int) -> None:
+        if self.run is None:
+            return
+        try:
+            self.run.log({k: v for k, v in data.items() if isinstance(v, (int, float))}, step=step)
+        except Exception as exc:  # never kill training for a logging failure
+            print(f"wandb: logging failed ({exc}); continuing", file=sys.stderr)
+
+    def on_step_end(self, state: TrainState) -> None:
+        """Log step metrics at logging points."""
+        if state.log_now:
+            self._log({f"train/{k}": v for k, v in state.logs.items()}, state.global_step)
+
+    def on_epoch_end(self, state: TrainState) -> None:
+        """Log the epoch summary."""
+        self._log({f"epoch/{k}": v for k, v in state.logs.items()}, state.global_step)
+
+    def on_fit_end(self, state: TrainState) -> None:
+        """Finish the run."""
+        if self.run is not None:
+            self.run.finish()
+            self.run = None

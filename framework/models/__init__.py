@@ -1,0 +1,6 @@
+"""Reference models: an MLP and a small CNN for 8x8 images (and a GPT that splits into pipeline stages)."""
+
+from framework.models.cnn import CNN
+from framework.models.mlp import MLP
+
+__all__ = ["CNN", "MLP"]

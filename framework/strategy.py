@@ -1,0 +1,362 @@
+"""`Strategy` (shaped like Paddle's auto-parallel Strategy) and the one function that turns it
+into a DeepSpeed config dict.
+
+This is the only module that knows DeepSpeed's JSON keys. Each section is a small dataclass;
+the same dataclasses are the Hydra schema of the `strategy` config group, so a typo'd key or a
+wrong type fails at composition.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run, with a message that says what to write instead."""
+
+
+@dataclass
+class Sharding:
+    """ZeRO partitioning. `stage` 0 = plain data parallel; 1 = optimizer states; 2 = + gradients;
+    3 = + parameters. Size settings left as "auto" are sized from the model (see `auto_sizes`)."""
+
+    stage: int = 0
+    offload_optimizer: bool = False  # optimizer states and step on the CPU (stages 1-3)
+    offload_params: bool = False  # parameters on the CPU between uses (stage 3 only)
+    reduce_bucket_size: Any = "auto"
+    allgather_bucket_size: Any = "auto"
+    prefetch_bucket_size: Any = "auto"
+    param_persistence_threshold: Any = "auto"
+    max_live_parameters: Any = "auto"
+    sub_group_size: Any = "auto"
+
+
+@dataclass
+class GradientMerge:
+    """Gradient accumulation: one optimizer step every `k_steps` micro-batches."""
+
+    k_steps: int = 1
+
+
+@dataclass
+class Amp:
+    """Mixed precision. `dtype` is bf16 (works on CPU and GPU) or fp16 (GPU; dynamic loss scaling)."""
+
+    enable: bool = False
+    dtype: str = "bf16"
+
+
+@dataclass
+class Recompute:
+    """Activation checkpointing: recompute activations in backward instead of storing them."""
+
+    enable: bool = False
+
+
+@dataclass
+class Pipeline:
+    """Pipeline parallelism on DeepSpeed's PipelineEngine (used when `stages` > 1).
+
+    `accumulate_steps` micro-batches of `micro_batch_size` (derived from the global batch when
+    None) flow through the stages per optimizer step.
+    """
+
+    stages: int = 1
+    micro_batch_size: int | None = None
+    accumulate_steps: int = 1
+    schedule: str = "1F1B"
+    partition_method: str = "parameters"  # parameters | uniform | type:REGEX
+    activation_checkpoint_interval: int = 0
+
+
+@dataclass
+class GradientClip:
+    """Clip the global gradient norm to `max_norm` (0 = off)."""
+
+    max_norm: float = 0.0
+
+
+_SECTIONS: dict[str, type] = {
+    "sharding": Sharding,
+    "gradient_merge": GradientMerge,
+    "amp": Amp,
+    "recompute": Recompute,
+    "pipeline": Pipeline,
+    "gradient_clip": GradientClip,
+}
+
+
+@dataclass
+class Strategy:
+    """How a model is distributed and optimised. Sections may be given as dicts or dataclasses:
+    `Strategy(sharding={"stage": 3}, amp={"enable": True, "dtype": "bf16"})`.
+
+    `deepspeed` is a raw DeepSpeed config merged last, for any key the sections do not model.
+    """
+
+    sharding: Sharding = field(default_factory=Sharding)
+    gradient_merge: GradientMerge = field(default_factory=GradientMerge)
+    amp: Amp = field(default_factory=Amp)
+    recompute: Recompute = field(default_factory=Recompute)
+    pipeline: Pipeline = field(default_factory=Pipeline)
+    gradient_clip: GradientClip = field(default_factory=GradientClip)
+    compile: bool = False  # also run the module through torch.compile
+    deepspeed: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name, cls in _SECTIONS.items():
+            value = getattr(self, name)
+            if value is None:
+                value = cls()
+            elif isinstance(value, dict) or hasattr(value, "items"):
+                value = _section_from_dict(name, cls, dict(value))
+            elif not isinstance(value, cls):
+                raise ConfigError(
+                    f"strategy.{name} must be a dict or {cls.__name__}, got {type(value).__name__}"
+                )
+            setattr(self, name, value)
+        self.deepspeed = dict(self.deepspeed or {})
+        self.validate()
+
+    @classmethod
+    def from_config(cls, node: Any) -> Strategy:
+        """Build from a composed `strategy` config node (DictConfig or plain dict) or pass a Strategy through."""
+        if node is None:
+            return cls()
+        if isinstance(node, Strategy):
+            return node
+        from omegaconf import DictConfig, OmegaConf
+
+        data = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+        assert isinstance(data, dict)
+        unknown = set(data) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ConfigError(
+                f"unknown strategy key(s) {sorted(unknown)}; valid: {[f.name for f in fields(cls)]}"
+            )
+        return cls(**data)  # type: ignore[arg-type]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-dict form (what a run saves next to its resolved config)."""
+        return asdict(self)
+
+    def describe(self) -> str:
+        """One line for humans: "ZeRO-3 + offload(optimizer) | bf16 | accumulate 2"."""
+        s = self.sharding
+        parts = [f"ZeRO-{s.stage}"]
+        offload = [n for n, on in (("optimizer", s.offload_optimizer), ("params", s.offload_params)) if on]
+        if offload:
+            parts[0] += f" + offload({', '.join(offload)})"
+        parts.append(self.amp.dtype if self.amp.enable else "fp32")
+        if self.uses_pipeline:
+            parts.append(
+                f"pipeline {self.pipeline.stages} stages x {self.pipeline.accumulate_steps} micro-batches"
+            )
+        elif self.gradient_merge.k_steps > 1:
+            parts.append(f"accumulate {self.gradient_merge.k_steps}")
+        if self.recompute.enable:
+            parts.append("recompute")
+        return " | ".join(parts)
+
+    @property
+    def uses_pipeline(self) -> bool:
+        """True when the model runs on DeepSpeed's pipeline engine."""
+        return self.pipeline.stages > 1
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step."""
+        return self.pipeline.accumulate_steps if self.uses_pipeline else self.gradient_merge.k_steps
+
+    def validate(self) -> None:
+        """Reject combinations that cannot run, naming what to write instead."""
+        s = self.sharding
+        if s.stage not in (0, 1, 2, 3):
+            raise ConfigError(f"strategy.sharding.stage={s.stage} is not a ZeRO stage; use 0, 1, 2 or 3")
+        if s.offload_params and s.stage != 3:
+            raise ConfigError(
+                f"strategy.sharding.offload_params needs ZeRO stage 3 (got stage {s.stage}); "
+                "set strategy.sharding.stage=3 or offload_params=false"
+            )
+        if s.offload_optimizer and s.stage == 0:
+            raise ConfigError(
+                "strategy.sharding.offload_optimizer needs ZeRO stage 1, 2 or 3 (got stage 0); "
+                "set strategy.sharding.stage>=1 or offload_optimizer=false"
+            )
+        if self.amp.dtype not in ("bf16", "fp16"):
+            raise ConfigError(f"strategy.amp.dtype={self.amp.dtype!r} is not supported; use bf16 or fp16")
+        if self.gradient_merge.k_steps < 1:
+            raise ConfigError(f"strategy.gradient_merge.k_steps={self.gradient_merge.k_steps} must be >= 1")
+        p = self.pipeline
+        if p.stages < 1 or p.accumulate_steps < 1:
+            raise ConfigError("strategy.pipeline.stages and accumulate_steps must be >= 1")
+        if self.uses_pipeline and s.stage >= 2:
+            raise ConfigError(
+                f"pipeline parallelism (strategy.pipeline.stages={p.stages}) cannot run with ZeRO stage "
+                f"{s.stage}: DeepSpeed's pipeline engine supports ZeRO 0 and 1 only; use +strategy=pipeline "
+                "(stage 0) or strategy.sharding.stage=1"
+            )
+        if self.uses_pipeline and self.gradient_merge.k_steps != 1:
+            raise ConfigError(
+                "with a pipeline, accumulate with strategy.pipeline.accumulate_steps, "
+                "not strategy.gradient_merge.k_steps"
+            )
+
+
+def _section_from_dict(name: str, cls: type, data: dict[str, Any]) -> Any:
+    valid = [f.name for f in fields(cls)]
+    unknown = [k for k in data if k not in valid]
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown} in strategy.{name}; valid keys: {valid}")
+    return cls(**data)
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """How one global batch splits: global = micro x accumulation x data-parallel ranks."""
+
+    global_batch_size: int
+    micro_batch_size: int
+    accumulation_steps: int
+    data_parallel_size: int
+
+
+def batch_layout(strategy: Strategy, global_batch_size: int, world_size: int) -> BatchLayout:
+    """Split `global_batch_size` over ranks and accumulation steps, or say in words why it cannot."""
+    stages = strategy.pipeline.stages
+    if world_size % stages != 0:
+        raise ConfigError(
+            f"strategy.pipeline.stages={stages} does not divide the {world_size} processes; "
+            f"use a process count that is a multiple of {stages} (e.g. trainer.devices={stages})"
+        )
+    dp = world_size // stages
+    acc = strategy.accumulation_steps
+    per = dp * acc
+    if global_batch_size < 1 or global_batch_size % per != 0:
+        lower = max(per, global_batch_size // per * per)
+        raise ConfigError(
+            f"global batch size {global_batch_size} does not divide over {dp} data-parallel rank(s) x "
+            f"{acc} accumulation step(s) (= {per}); use a multiple of {per}, e.g. "
+            f"trainer.batch_size={lower} or {lower + per}"
+        )
+    micro = global_batch_size // per
+    fixed = strategy.pipeline.micro_batch_size
+    if strategy.uses_pipeline and fixed is not None and fixed != micro:
+        raise ConfigError(
+            f"strategy.pipeline.micro_batch_size={fixed} disagrees with global batch {global_batch_size} = "
+            f"micro x {acc} accumulate_steps x {dp} data-parallel rank(s) (micro would be {micro}); "
+            f"set trainer.batch_size={fixed * per} or leave micro_batch_size unset"
+        )
+    return BatchLayout(global_batch_size, micro, acc, dp)
+
+
+def auto_sizes(num_params: int, largest_param: int) -> dict[str, int]:
+    """Size-dependent ZeRO settings from the model, for settings left as "auto".
+
+    Rule (documented in the README's strategy table):
+      bucket          = clamp(largest parameter, 1e5 .. 5e8 elements)  -> reduce / allgather buckets,
+                        ZeRO-3 prefetch bucket
+      persistence     = 10 x sqrt(largest parameter) (keeps biases / norms resident, like HF's 10 x hidden)
+      max live params = 2 x bucket  (at most about two of the largest layers gathered at once)
+      sub group       = clamp(num_params / 4, 1e5 .. 1e9)  (optimizer step in ~4 chunks under offload)
+    DeepSpeed's own defaults (5e8-element buckets, 1e9 live) are sized for large GPUs and made
+    ZeRO-3 peak higher than ZeRO-0 on a CPU (measured).
+    """
+    largest = max(int(largest_param), 1)
+    bucket = int(min(max(largest, 100_000), 500_000_000))
+    return {
+        "reduce_bucket_size": bucket,
+        "allgather_bucket_size": bucket,
+        "prefetch_bucket_size": bucket,
+        "param_persistence_threshold": int(10 * math.isqrt(largest)),
+        "max_live_parameters": 2 * bucket,
+        "sub_group_size": int(min(max(num_params // 4, 100_000), 1_000_000_000)),
+    }
+
+
+def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def deepspeed_config(
+    strategy: Strategy,
+    global_batch_size: int,
+    world_size: int,
+    num_params: int = 0,
+    largest_param: int = 0,
+) -> dict[str, Any]:
+    """The DeepSpeed config dict for `strategy` at this global batch and world size.
+
+    Pure: same inputs, same dict. `num_params`/`largest_param` size the "auto" ZeRO settings.
+    """
+    layout = batch_layout(strategy, global_batch_size, world_size)
+    s = strategy.sharding
+    zero: dict[str, Any] = {"stage": s.stage}
+    if s.stage >= 1:
+        sizes = auto_sizes(num_params, largest_param)
+        user = {k: getattr(s, k) for k in sizes}
+        chosen = {k: (sizes[k] if user[k] in (None, "auto") else int(user[k])) for k in sizes}
+        zero["reduce_bucket_size"] = chosen["reduce_bucket_size"]
+        zero["allgather_bucket_size"] = chosen["allgather_bucket_size"]
+        zero["overlap_comm"] = False
+        if s.stage == 3:
+            zero["stage3_prefetch_bucket_size"] = chosen["prefetch_bucket_size"]
+            zero["stage3_param_persistence_threshold"] = chosen["param_persistence_threshold"]
+            zero["stage3_max_live_parameters"] = chosen["max_live_parameters"]
+            zero["stage3_max_reuse_distance"] = chosen["max_live_parameters"]
+            zero["sub_group_size"] = chosen["sub_group_size"]
+            zero["stage3_gather_16bit_weights_on_model_save"] = False
+        if s.offload_optimizer:
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+        if s.offload_params:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": False}
+    config: dict[str, Any] = {
+        "train_batch_size": layout.global_batch_size,
+        "train_micro_batch_size_per_gpu": layout.micro_batch_size,
+        "gradient_accumulation_steps": layout.accumulation_steps,
+        "steps_per_print": None,
+        "wall_clock_breakdown": False,
+        "zero_optimization": zero,
+        # We hand DeepSpeed torch optimizers (SGD, AdamW, ...) and keep them under offload too,
+        # which avoids the ~45 s JIT build of DeepSpeedCPUAdam on a first run.
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+    }
+    if strategy.amp.enable:
+        if strategy.amp.dtype == "bf16":
+            config["bf16"] = {"enabled": True}
+        else:
+            config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+    if strategy.gradient_clip.max_norm > 0:
+        config["gradient_clipping"] = float(strategy.gradient_clip.max_norm)
+    if strategy.recompute.enable:
+        config["activation_checkpointing"] = {
+            "partition_activations": False,
+            "cpu_checkpointing": False,  # crashes on CPU (measured)
+            "contiguous_memory_optimization": False,
+        }
+    optimizer = strategy.deepspeed.get("optimizer")
+    if isinstance(optimizer, dict) and str(optimizer.get("type", "")).lower() in ("adam", "adamw"):
+        # Without torch_adam DeepSpeed builds FusedAdam, a ~49 s JIT build.
+        params = dict(optimizer.get("params", {}))
+        params.setdefault("torch_adam", not s.offload_optimizer)
+        strategy_ds = _deep_merge(strategy.deepspeed, {"optimizer": {"params": params}})
+    else:
+        strategy_ds = strategy.deepspeed
+    return _deep_merge(config, strategy_ds)
+
+
+def compute_dtype_name(strategy: Strategy) -> str:
+    """Name of the dtype the model computes in under this strategy: float32, bfloat16 or float16."""
+    if not strategy.amp.enable:
+        return "float32"
+    return "bfloat16" if strategy.amp.dtype == "bf16" else "float16"

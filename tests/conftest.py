@@ -1,0 +1,66 @@
+"""Shared test helpers: compose the real conf/, shrink it for CPU, run train.py as a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+# Keep two processes on two cores from oversubscribing, and wandb off the network.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+# A small, fast run of the real config (the data and model are the shipped defaults).
+FAST = ["trainer.epochs=1", "trainer.log_every=5", "trainer.batch_size=64"]
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """Environment for a child run: no launcher variables leaking in from this process."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env.update(OMP_NUM_THREADS="1", WANDB_MODE=env.get("WANDB_MODE", "disabled"), PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def run_train(
+    args: list[str], run_dir: Path, timeout: float = 240, torchrun: int = 0, env: dict | None = None
+):
+    """Run `python train.py ARGS hydra.run.dir=RUN_DIR` (or under torchrun with N processes)."""
+    cmd = [sys.executable]
+    if torchrun:
+        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={torchrun}"]
+    cmd += [str(ROOT / "train.py"), *args, f"hydra.run.dir={run_dir}"]
+    return subprocess.run(
+        cmd, cwd=ROOT, env=env or subprocess_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def final_metrics(run_dir: Path) -> dict:
+    """The final_metrics.json a run wrote."""
+    return json.loads((run_dir / "final_metrics.json").read_text())
+
+
+@pytest.fixture
+def compose():
+    """Compose conf/train.yaml with overrides (normalised like the CLI), as Hydra would for train.py."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from framework.cli import normalize_overrides
+
+    def _compose(overrides: list[str] | None = None):
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            return hydra_compose(config_name="train", overrides=normalize_overrides(list(overrides or [])))
+
+    return _compose

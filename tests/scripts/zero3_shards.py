@@ -1,0 +1,33 @@
+"""Run under torchrun: prepare an Engine with ZeRO-3 and write how many parameter elements this
+rank holds (DeepSpeed's partitioned-parameter metadata) to OUT_DIR/rank<R>.json."""
+
+import functools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from framework import Engine, Strategy, device
+from framework.engine import model_init_context
+from framework.models import MLP
+
+out_dir = Path(sys.argv[1])
+strategy = Strategy(sharding={"stage": 3})
+device.init_process_group(timeout_s=60)
+with model_init_context(strategy, {"train_batch_size": 2, "zero_optimization": {"stage": 3}}):
+    model = MLP(hidden=[256, 256])
+engine = Engine(
+    model, torch.nn.CrossEntropyLoss(), functools.partial(torch.optim.AdamW, lr=1e-3), strategy=strategy
+)
+engine.prepare("train", batch_size=8)
+params = list(engine.module.parameters())
+record = {
+    "rank": device.rank(),
+    "world_size": device.world_size(),
+    "full": sum(p.ds_numel for p in params),
+    "local": sum(p.ds_tensor.numel() for p in params),
+    "status": sorted({str(p.ds_status) for p in params}),
+}
+(out_dir / f"rank{device.rank()}.json").write_text(json.dumps(record))
+device.destroy_process_group()

@@ -1,0 +1,150 @@
+"""The real conf/: every group option composes and instantiates; bad keys fail at composition."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hydra.errors import ConfigCompositionException
+from hydra.utils import instantiate
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+from framework.cli import normalize_overrides, prepare_argv
+from framework.config import GROUPS, check_schema
+from framework.datasets import Splits
+from framework.strategy import ConfigError, Strategy
+
+from .conftest import CONF
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def test_groups_match_the_defaults_list():
+    defaults = (CONF / "train.yaml").read_text()
+    for group in GROUPS:
+        assert f"- {group}:" in defaults, group
+        assert (CONF / group).is_dir(), group
+
+
+def test_default_composition(compose):
+    cfg = compose()
+    assert cfg.model._target_ == "framework.models.MLP"
+    assert cfg.strategy.sharding.stage == 0
+    assert cfg.trainer.batch_size == 64 and cfg.trainer.devices == 1
+
+
+@pytest.mark.parametrize("form", ["+strategy=zero3", "strategy=zero3"])
+def test_both_strategy_forms_select_zero3(compose, form):
+    assert compose([form]).strategy.sharding.stage == 3
+
+
+def test_prepare_argv_rewrites_only_our_groups():
+    argv = [
+        "train.py",
+        "+strategy=zero3",
+        "+trainer.extra=1",
+        "++x=2",
+        "-m",
+        "+experiment=foo",
+        "+hydra/launcher=x",
+    ]
+    prepare_argv(argv)
+    assert argv[1:6] == ["strategy=zero3", "+trainer.extra=1", "++x=2", "-m", "experiment=foo"]
+    assert normalize_overrides(["+model=cnn"]) == ["model=cnn"]
+
+
+@pytest.mark.parametrize("name", options("strategy"))
+def test_every_strategy_option_builds_a_strategy(compose, name):
+    assert isinstance(Strategy.from_config(compose([f"strategy={name}"]).strategy), Strategy)
+
+
+@pytest.mark.parametrize("name", options("model"))
+def test_every_model_option_instantiates_and_runs(compose, name):
+    model = instantiate(compose([f"model={name}"]).model)
+    assert model(torch.zeros(2, 64)).shape == (2, 10)
+
+
+@pytest.mark.parametrize("name", options("data"))
+def test_every_data_option_instantiates(compose, name):
+    splits = instantiate(compose([f"data={name}"]).data.dataset)
+    assert isinstance(splits, Splits) and len(splits.train) > len(splits.valid) > 0
+    x, y = splits.train[0]
+    assert x.shape == (64,) and y.dtype == torch.long
+
+
+@pytest.mark.parametrize("name", options("optimizer"))
+def test_every_optimizer_option_instantiates(compose, name):
+    factory = instantiate(compose([f"optimizer={name}"]).optimizer)
+    assert isinstance(factory([torch.nn.Parameter(torch.zeros(2))]), torch.optim.Optimizer)
+
+
+@pytest.mark.parametrize("name", options("scheduler"))
+def test_every_scheduler_option_instantiates(compose, name):
+    factory = instantiate(compose([f"scheduler={name}"]).scheduler)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    sched = factory(opt, total_steps=10)
+    for _ in range(10):
+        opt.step()
+        sched.step()
+    assert 0 < opt.param_groups[0]["lr"] <= 1.0
+
+
+@pytest.mark.parametrize("name", options("logger"))
+def test_every_logger_option_instantiates(compose, name, tmp_path):
+    cfg = compose([f"logger={name}"])
+    assert "console" in cfg.logger
+    for node in cfg.logger.values():
+        assert instantiate(node, output_dir=str(tmp_path)) is not None
+
+
+@pytest.mark.parametrize("name", options("callbacks"))
+def test_every_callbacks_option_instantiates(compose, name):
+    for node in compose([f"callbacks={name}"]).callbacks.values():
+        assert instantiate(node) is not None
+
+
+def test_loss_and_metrics_instantiate(compose):
+    cfg = compose()
+    loss = instantiate(cfg.loss)
+    assert float(loss(torch.zeros(2, 10), torch.tensor([1, 2]))) > 0
+    assert set(cfg.metrics) == {"accuracy"}
+    instantiate(cfg.metrics.accuracy)
+
+
+def test_typo_in_a_schema_key_fails_at_composition(compose):
+    with pytest.raises(ConfigCompositionException) as err:
+        compose(["trainer.epoch=3"])
+    cause = err.value.__cause__
+    assert isinstance(cause, (ConfigAttributeError, ConfigKeyError))
+    assert "epoch" in str(cause) and "TrainerConfig" in str(cause)
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("+trainer.epoch=3", ["trainer.epoch", "did you mean 'trainer.epochs'"]),
+        ("+strategy.sharding.stag=3", ["strategy.sharding.stag", "did you mean 'strategy.sharding.stage'"]),
+        ("+data.prefech=3", ["data.prefech", "did you mean 'data.prefetch'"]),
+    ],
+)
+def test_keys_added_with_plus_are_checked_against_the_schema(compose, override, words):
+    """Hydra lets `+key=...` add keys even to typed nodes; the run checks them before starting."""
+    cfg = compose([override])
+    with pytest.raises(ConfigError) as err:
+        check_schema(cfg)
+    for word in words:
+        assert word in str(err.value)
+    check_schema(compose())
+
+
+def test_wrong_type_fails_at_composition(compose):
+    with pytest.raises(ConfigCompositionException) as err:
+        compose(["trainer.batch_size=big"])
+    assert isinstance(err.value.__cause__, ValidationError)
+
+
+def test_unknown_strategy_lists_the_options(compose):
+    with pytest.raises(ConfigCompositionException) as err:
+        compose(["strategy=zero9"])
+    assert "zero3" in str(err.value)

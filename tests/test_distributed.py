@@ -1,0 +1,53 @@
+"""Two real processes (torchrun, gloo, real DeepSpeed): sharding holds and losses agree with one process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import FAST, ROOT, final_metrics, run_train, subprocess_env
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_zero3_two_ranks_each_hold_half_the_parameters(tmp_path):
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(ROOT / "tests" / "scripts" / "zero3_shards.py"),
+        str(tmp_path),
+    ]
+    run = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    full = records[0]["full"]
+    assert full == 64 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10
+    for rec in records:
+        assert rec["world_size"] == 2
+        assert rec["status"] == ["ZeroParamStatus.NOT_AVAILABLE"]  # partitioned, not gathered
+        assert full / 2 <= rec["local"] <= full / 2 + 8  # half each, up to per-tensor padding
+    assert sum(r["local"] for r in records) >= full
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_two_process_run_matches_one_process(tmp_path, strategy):
+    args = [f"+strategy={strategy}", *FAST]
+    two = run_train(args, tmp_path / "two", torchrun=2, timeout=240)
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = run_train(args, tmp_path / "one")
+    assert one.returncode == 0, one.stderr[-3000:]
+    m1, m2 = final_metrics(tmp_path / "one"), final_metrics(tmp_path / "two")
+    assert m2["step"] == m1["step"] == 22  # same global batch -> same number of optimizer steps
+    assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-3)
+    assert m2["val_loss"] == pytest.approx(m1["val_loss"], rel=1e-3)
+    assert m2["val_accuracy"] == pytest.approx(m1["val_accuracy"], abs=1e-6)
+    # rank 0 alone writes: one output dir, one metrics file, and "2 process(es)" in the header
+    assert "2 process(es)" in two.stdout
+    assert not list(ROOT.glob("train.log"))

@@ -1,0 +1,111 @@
+"""Engine in-process: fit/evaluate/predict semantics on one process."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torchmetrics
+
+from framework import ConfigError, Engine, Strategy, device
+from framework.data import EvalShardSampler
+from framework.datasets import synthetic
+from framework.models import MLP
+
+
+@pytest.fixture(autouse=True)
+def _fresh_group():
+    yield
+    device.destroy_process_group()
+
+
+def make_engine(stage: int = 0, **kwargs) -> Engine:
+    torch.manual_seed(0)
+    return Engine(
+        MLP(hidden=[32]),
+        torch.nn.CrossEntropyLoss(),
+        functools.partial(torch.optim.AdamW, lr=1e-2),
+        torchmetrics.classification.MulticlassAccuracy(num_classes=10, average="micro"),
+        strategy=Strategy(sharding={"stage": stage}),
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("n, replicas", [(10, 3), (7, 2), (4, 4), (3, 4)])
+def test_eval_shards_cover_every_sample_once(n, replicas):
+    samplers = [EvalShardSampler(n, replicas, r) for r in range(replicas)]
+    assert len({len(s) for s in samplers}) == 1  # equal lengths: no rank waits in a collective
+    real = [i for s in samplers for i in list(s)[: s.num_real]]
+    assert sorted(real) == list(range(n))
+
+
+def test_fit_returns_per_epoch_history_and_learns():
+    splits = synthetic(num_samples=512)
+    engine = make_engine()
+    history = engine.fit(splits.train, splits.valid, epochs=3, batch_size=32)
+    assert set(history) == {"loss", "lr", "accuracy", "val_loss", "val_accuracy"}
+    assert all(len(v) == 3 for v in history.values())
+    assert history["val_loss"][-1] < history["val_loss"][0]
+    assert history["val_accuracy"][-1] > 0.9
+    assert engine.state.global_step == 3 * (len(splits.train) // 32)
+
+
+def test_max_steps_counts_optimizer_steps_with_accumulation():
+    splits = synthetic(num_samples=512)
+    engine = make_engine()
+    engine.strategy = Strategy(gradient_merge={"k_steps": 2})
+    engine.fit(splits.train, epochs=5, batch_size=32, max_steps=7)
+    assert engine.state.global_step == 7
+    assert engine.state.batches_fetched == 14  # two micro-batches of 16 per optimizer step
+    assert engine.deepspeed_config["gradient_accumulation_steps"] == 2
+
+
+def test_evaluate_matches_a_plain_torch_computation():
+    splits = synthetic(num_samples=300)
+    engine = make_engine()
+    engine.fit(splits.train, epochs=1, batch_size=32)
+    result = engine.evaluate(splits.valid, batch_size=16)
+    x = torch.stack([splits.valid[i][0] for i in range(len(splits.valid))])
+    y = torch.stack([splits.valid[i][1] for i in range(len(splits.valid))])
+    with torch.no_grad():
+        logits = engine.module(x)
+    assert result["loss"] == pytest.approx(float(torch.nn.functional.cross_entropy(logits, y)), rel=1e-5)
+    assert result["accuracy"] == pytest.approx(float((logits.argmax(1) == y).float().mean()), abs=1e-6)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_predict_returns_outputs_in_dataset_order(stage):
+    splits = synthetic(num_samples=100)
+    engine = make_engine(stage)
+    out = engine.predict(splits.valid, batch_size=8)
+    assert [len(o) for o in out] == [8, 8, 4]
+    x = torch.stack([splits.valid[i][0] for i in range(len(splits.valid))])
+    engine.model.eval()
+    with torch.no_grad():
+        expected = engine.model(x)
+    torch.testing.assert_close(torch.cat(out), expected)
+
+
+def test_training_needs_loss_and_optimizer():
+    engine = Engine(MLP(), loss=torch.nn.CrossEntropyLoss())
+    with pytest.raises(ConfigError, match="set optimizer and loss before training"):
+        engine.prepare("train")
+    with pytest.raises(ConfigError, match="set loss before evaluation"):
+        Engine(MLP()).prepare("eval")
+    with pytest.raises(ValueError, match="'train', 'eval', 'predict'"):
+        engine.prepare("validate")
+
+
+def test_bf16_strategy_trains_in_bf16():
+    splits = synthetic(num_samples=256)
+    torch.manual_seed(0)
+    engine = Engine(
+        MLP(hidden=[32]),
+        torch.nn.CrossEntropyLoss(),
+        functools.partial(torch.optim.AdamW, lr=1e-2),
+        strategy=Strategy(sharding={"stage": 2}, amp={"enable": True, "dtype": "bf16"}),
+    )
+    history = engine.fit(splits.train, splits.valid, epochs=2, batch_size=32)
+    assert next(engine.module.parameters()).dtype == torch.bfloat16
+    assert history["val_loss"][-1] < history["val_loss"][0]

@@ -1,0 +1,171 @@
+"""The Strategy -> DeepSpeed config adapter: a pure function, tested for every conf/strategy file."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from framework.strategy import (
+    Amp,
+    ConfigError,
+    Sharding,
+    Strategy,
+    auto_sizes,
+    batch_layout,
+    deepspeed_config,
+)
+
+from .conftest import CONF
+
+STRATEGY_FILES = sorted(p.stem for p in (CONF / "strategy").glob("*.yaml"))
+
+# What each shipped strategy must turn into (the keys that decide behaviour).
+EXPECTED = {
+    "zero0": {"stage": 0},
+    "zero1": {"stage": 1},
+    "zero2": {"stage": 2},
+    "zero3": {"stage": 3},
+    "zero3_offload": {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "pin_memory": False},
+        "offload_param": {"device": "cpu", "pin_memory": False},
+    },
+}
+
+
+def _from_file(name: str) -> Strategy:
+    node = OmegaConf.merge(OmegaConf.structured(Strategy), OmegaConf.load(CONF / "strategy" / f"{name}.yaml"))
+    return Strategy.from_config(node)
+
+
+def test_every_strategy_file_is_covered():
+    assert set(EXPECTED) <= set(STRATEGY_FILES)
+
+
+@pytest.mark.parametrize("name", [n for n in STRATEGY_FILES if n in EXPECTED])
+def test_strategy_file_to_deepspeed_config(name):
+    ds = deepspeed_config(
+        _from_file(name), global_batch_size=64, world_size=2, num_params=10_000, largest_param=4_096
+    )
+    assert ds["train_batch_size"] == 64
+    assert ds["train_micro_batch_size_per_gpu"] == 32
+    assert ds["gradient_accumulation_steps"] == 1
+    for key, value in EXPECTED[name].items():
+        assert ds["zero_optimization"][key] == value
+    if EXPECTED[name]["stage"] == 0:
+        assert set(ds["zero_optimization"]) == {"stage"}
+    assert "bf16" not in ds and "fp16" not in ds
+
+
+def test_batch_triple_with_accumulation():
+    s = Strategy(sharding={"stage": 2}, gradient_merge={"k_steps": 4})
+    ds = deepspeed_config(s, global_batch_size=128, world_size=2)
+    assert (
+        ds["train_batch_size"],
+        ds["train_micro_batch_size_per_gpu"],
+        ds["gradient_accumulation_steps"],
+    ) == (128, 16, 4)
+
+
+def test_uneven_global_batch_is_a_clear_error():
+    s = Strategy(gradient_merge={"k_steps": 4})
+    with pytest.raises(ConfigError) as err:
+        batch_layout(s, global_batch_size=100, world_size=2)
+    msg = str(err.value)
+    assert "100" in msg and "2 data-parallel" in msg and "4 accumulation" in msg and "multiple of 8" in msg
+    assert "96" in msg and "104" in msg
+
+
+def test_sections_from_dicts_or_dataclasses_are_equal():
+    a = Strategy(sharding={"stage": 3}, amp={"enable": True, "dtype": "bf16"})
+    b = Strategy(sharding=Sharding(stage=3), amp=Amp(enable=True, dtype="bf16"))
+    assert a == b
+    ds = deepspeed_config(a, 8, 1)
+    assert ds["bf16"] == {"enabled": True}
+
+
+def test_fp16_section_has_dynamic_loss_scaling():
+    ds = deepspeed_config(Strategy(amp={"enable": True, "dtype": "fp16"}), 8, 1)
+    assert ds["fp16"]["enabled"] is True and ds["fp16"]["loss_scale"] == 0
+
+
+def test_raw_deepspeed_dict_is_merged_last():
+    s = Strategy(
+        sharding={"stage": 2},
+        deepspeed={"zero_optimization": {"overlap_comm": True}, "prescale_gradients": True},
+    )
+    ds = deepspeed_config(s, 8, 1)
+    assert ds["zero_optimization"]["overlap_comm"] is True
+    assert ds["zero_optimization"]["stage"] == 2
+    assert ds["prescale_gradients"] is True
+
+
+def test_named_adam_optimizer_avoids_fused_adam_jit():
+    s = Strategy(deepspeed={"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    assert deepspeed_config(s, 8, 1)["optimizer"]["params"] == {"lr": 1e-3, "torch_adam": True}
+
+
+def test_gradient_clip_and_recompute():
+    ds = deepspeed_config(Strategy(gradient_clip={"max_norm": 1.0}, recompute={"enable": True}), 8, 1)
+    assert ds["gradient_clipping"] == 1.0
+    assert ds["activation_checkpointing"]["cpu_checkpointing"] is False
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"sharding": {"stage": 4}}, ["stage=4", "0, 1, 2 or 3"]),
+        ({"sharding": {"stage": 2, "offload_params": True}}, ["offload_params", "stage 3"]),
+        ({"sharding": {"stage": 0, "offload_optimizer": True}}, ["offload_optimizer", "stage 1, 2 or 3"]),
+        ({"amp": {"enable": True, "dtype": "fp8"}}, ["fp8", "bf16 or fp16"]),
+        ({"pipeline": {"stages": 2}, "sharding": {"stage": 3}}, ["pipeline", "ZeRO stage 3", "0 and 1"]),
+        ({"sharding": {"stagee": 3}}, ["stagee", "valid keys"]),
+    ],
+)
+def test_invalid_strategies_say_what_to_write(kwargs, words):
+    with pytest.raises(ConfigError) as err:
+        Strategy(**kwargs)
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_pipeline_stages_must_divide_world_size():
+    with pytest.raises(ConfigError, match="stages=2 does not divide the 3 processes"):
+        batch_layout(Strategy(pipeline={"stages": 2}), 8, world_size=3)
+
+
+def test_auto_sizes_follow_the_documented_rule():
+    small = auto_sizes(num_params=26_122, largest_param=16_384)
+    assert small == {
+        "reduce_bucket_size": 100_000,
+        "allgather_bucket_size": 100_000,
+        "prefetch_bucket_size": 100_000,
+        "param_persistence_threshold": 1_280,
+        "max_live_parameters": 200_000,
+        "sub_group_size": 100_000,
+    }
+    big = auto_sizes(num_params=30_400_000, largest_param=4096 * 4096)
+    assert big["reduce_bucket_size"] == 4096 * 4096
+    assert big["param_persistence_threshold"] == 40_960
+    assert big["max_live_parameters"] == 2 * 4096 * 4096
+    assert big["sub_group_size"] == 7_600_000
+
+
+def test_auto_values_reach_the_zero3_config_and_user_values_win():
+    ds = deepspeed_config(
+        Strategy(sharding={"stage": 3}), 8, 1, num_params=30_400_000, largest_param=4096 * 4096
+    )
+    z = ds["zero_optimization"]
+    assert z["reduce_bucket_size"] == 4096 * 4096 and z["stage3_prefetch_bucket_size"] == 4096 * 4096
+    user = Strategy(sharding={"stage": 3, "reduce_bucket_size": 1234, "max_live_parameters": 999})
+    z = deepspeed_config(user, 8, 1, num_params=30_400_000, largest_param=4096 * 4096)["zero_optimization"]
+    assert z["reduce_bucket_size"] == 1234 and z["stage3_max_live_parameters"] == 999
+    assert z["allgather_bucket_size"] == 4096 * 4096
+
+
+def test_config_is_pure():
+    s = Strategy(sharding={"stage": 3}, deepspeed={"zero_optimization": {"overlap_comm": True}})
+    first = deepspeed_config(s, 16, 2, 1000, 100)
+    first["zero_optimization"]["stage"] = 99
+    assert deepspeed_config(s, 16, 2, 1000, 100)["zero_optimization"]["stage"] == 3
+    assert s.deepspeed == {"zero_optimization": {"overlap_comm": True}}

@@ -1,0 +1,69 @@
+"""`python train.py` as a user runs it: the default job, every strategy, and clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from .conftest import CONF, FAST, final_metrics, run_train
+
+STRATEGIES = sorted(p.stem for p in (CONF / "strategy").glob("*.yaml"))
+
+
+@pytest.mark.slow
+def test_default_run_learns_digits_and_writes_its_files(tmp_path):
+    run = run_train([], tmp_path, timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    final = final_metrics(tmp_path)
+    assert final["val_accuracy"] >= 0.90
+    # per-epoch progress and a final summary on the console
+    assert run.stdout.count("epoch 10/10") >= 1 and "epoch 1/10" in run.stdout
+    assert "run summary" in run.stdout and "val_accuracy" in run.stdout
+    assert "\r" not in run.stdout  # not a terminal: plain lines, no redraws
+    # files: resolved config, metrics.jsonl, the DeepSpeed config that was used
+    config = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert config["strategy"]["sharding"]["stage"] == 0 and "${" not in (tmp_path / "config.yaml").read_text()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    epochs = [r for r in records if r["kind"] == "epoch"]
+    steps = [r for r in records if r["kind"] == "step"]
+    assert len(epochs) == 10 and epochs[-1]["val_accuracy"] == pytest.approx(final["val_accuracy"])
+    assert steps and all(r["step"] % 10 == 0 for r in steps)
+    assert json.loads((tmp_path / "deepspeed_config.json").read_text())["train_batch_size"] == 64
+    # DeepSpeed's own INFO noise stays hidden
+    assert "[INFO]" not in run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_every_strategy_runs_end_to_end(tmp_path, strategy):
+    run = run_train([f"+strategy={strategy}", *FAST], tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    final = final_metrics(tmp_path)
+    assert final["step"] == 22 and final["val_loss"] < 2.0
+    ds = json.loads((tmp_path / "deepspeed_config.json").read_text())
+    assert ds["zero_optimization"]["stage"] == int(strategy[4])
+
+
+def _fails_cleanly(run, *words):
+    assert run.returncode != 0
+    text = run.stdout + run.stderr
+    for word in words:
+        assert word in text, text[-2000:]
+    assert "Traceback" not in text, text[-2000:]
+
+
+def test_unknown_strategy_lists_options(tmp_path):
+    _fails_cleanly(run_train(["strategy=zero9"], tmp_path), "zero9", "zero3", "zero3_offload")
+
+
+def test_typo_key_names_the_key(tmp_path):
+    _fails_cleanly(run_train(["trainer.epoch=3"], tmp_path), "trainer.epoch")
+    _fails_cleanly(
+        run_train(["+trainer.epoch=3"], tmp_path / "b"), "trainer.epoch", "did you mean 'trainer.epochs'"
+    )
+
+
+def test_uneven_global_batch_says_which_numbers(tmp_path):
+    run = run_train(["trainer.batch_size=100", "strategy.gradient_merge.k_steps=8"], tmp_path)
+    _fails_cleanly(run, "global batch size 100", "8 accumulation", "multiple of 8", "trainer.batch_size=96")
