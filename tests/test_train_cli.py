@@ -67,3 +67,13 @@ def test_typo_key_names_the_key(tmp_path):
 def test_uneven_global_batch_says_which_numbers(tmp_path):
     run = run_train(["trainer.batch_size=100", "strategy.gradient_merge.k_steps=8"], tmp_path)
     _fails_cleanly(run, "global batch size 100", "8 accumulation", "multiple of 8", "trainer.batch_size=96")
+
+
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_runs_in_fast_mode(tmp_path, experiment):
+    run = run_train([f"experiment={experiment}", "trainer.max_steps=3", "trainer.epochs=1"], tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert final_metrics(tmp_path)["step"] == 3
