@@ -2,7 +2,7 @@
 
 Public API::
 
-    from framework import Engine, Strategy
+    from framework import Engine, Strategy, to_static, shard_dataloader
 """
 
 from framework import device as _device
@@ -10,16 +10,20 @@ from framework import device as _device
 _device.configure_environment()  # before DeepSpeed picks its accelerator
 
 from framework.callbacks import Callback, EarlyStopping, Event, LearningRateMonitor, TrainState  # noqa: E402
+from framework.dist_model import DistModel, shard_dataloader, to_static  # noqa: E402
 from framework.engine import Engine  # noqa: E402
 from framework.strategy import ConfigError, Strategy  # noqa: E402
 
 __all__ = [
     "Callback",
     "ConfigError",
+    "DistModel",
     "EarlyStopping",
     "Engine",
     "Event",
     "LearningRateMonitor",
     "Strategy",
     "TrainState",
+    "shard_dataloader",
+    "to_static",
 ]

@@ -34,14 +34,19 @@ from framework.strategy import ConfigError, Strategy, deepspeed_config
 register_configs()
 
 
+# Top-level switches that exist in the schema but read naturally with a `+` (`+dry_run=true`).
+FLAGS = ("dry_run",)
+
+
 def normalize_overrides(overrides: list[str]) -> list[str]:
     """`+strategy=zero3` and `strategy=zero3` both select an option of a default group: Hydra
-    accepts only one form per defaults-list entry, so the `+` of our own groups is dropped."""
+    accepts only one form per defaults-list entry, so the `+` of our own groups is dropped
+    (and of the switches in FLAGS, which always exist)."""
     out = []
     for item in overrides:
         if item.startswith("+") and not item.startswith("++"):
             key = item[1:].split("=", 1)[0]
-            if key in GROUPS:
+            if key in GROUPS or key in FLAGS:
                 item = item[1:]
         out.append(item)
     return out
@@ -154,6 +159,40 @@ def _instantiate_optional(node: Any) -> Any:
     return instantiate(node)
 
 
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def print_plan(model: Any, strategy: Strategy, cfg: DictConfig) -> None:
+    """What `+dry_run=true` prints: per-rank model-state memory and the DeepSpeed config."""
+    engine = Engine(model, optimizer=instantiate(cfg.optimizer), strategy=strategy)
+    cost = engine.cost("train")
+    print(
+        f"{type(model).__name__}: {cost['parameters']:,} parameters (largest tensor {cost['largest_parameter']:,}) | "
+        f"{strategy.describe()} | {dev.world_size()} process(es), {cost['data_parallel_size']} data-parallel"
+    )
+    print(
+        "per-rank model states: "
+        + ", ".join(
+            f"{k.removesuffix('_bytes')} {_size(cost[k])}"
+            for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "buffer_bytes")
+        )
+        + f" = {_size(cost['total_bytes'])} (device {_size(cost['device_bytes'])}, cpu {_size(cost['cpu_bytes'])})"
+    )
+    if cost["deepspeed_estimate"]:
+        est = cost["deepspeed_estimate"]
+        print(
+            f"DeepSpeed's estimator (fp16 mixed precision): device {_size(est['device_bytes'])}, cpu {_size(est['cpu_bytes'])}"
+        )
+    numel, largest = cost["parameters"], cost["largest_parameter"]
+    config = deepspeed_config(strategy, cfg.trainer.batch_size, dev.world_size(), numel, largest)
+    print("DeepSpeed config: " + json.dumps(config))
+
+
 def train(cfg: DictConfig, output_dir: str | None) -> float | None:
     """Train in this process (one rank of the job): build everything from `cfg`, fit, write files."""
     check_schema(cfg)
@@ -175,6 +214,10 @@ def train(cfg: DictConfig, output_dir: str | None) -> float | None:
         preview = deepspeed_config(strategy, t.batch_size, dev.world_size())
         with model_init_context(strategy, preview):
             model = instantiate(cfg.model)
+        if cfg.dry_run:
+            if main:
+                print_plan(model, strategy, cfg)
+            return None
         callbacks: list[Callback] = []
         if main:
             loggers = [

@@ -114,3 +114,84 @@ def batch_size_of(batch: Any) -> int:
     if isinstance(batch, dict) and batch:
         return batch_size_of(next(iter(batch.values())))
     return 1
+
+
+class DeviceLoader:
+    """What `Engine.dataloader` returns: `epochs` epochs of this rank's batches, already on the
+    device (prefetched in the background), at most `steps_per_epoch` batches per epoch.
+
+    For evaluation shards, `last_real` is how many samples of the batch just handed out are real
+    (the rest pad the shard so every rank runs the same number of batches).
+    """
+
+    def __init__(
+        self,
+        loader: Any,
+        transfer: Callable[[Any], Any],
+        epochs: int = 1,
+        steps_per_epoch: int | None = None,
+        prefetch: int = 2,
+        global_batch_size: int | None = None,
+        real_samples: int | None = None,
+    ):
+        self.loader, self.transfer, self.epochs = loader, transfer, epochs
+        self.steps_per_epoch, self.prefetch = steps_per_epoch, prefetch
+        self.global_batch_size = global_batch_size
+        self.real_samples = real_samples
+        self.last_batch: Any = None
+        self.last_real: int | None = None
+        self.epoch = 0
+
+    def batches_per_epoch(self) -> int | None:
+        """Batches each epoch yields, when the source has a length."""
+        try:
+            n = len(self.loader)
+        except TypeError:
+            return self.steps_per_epoch
+        return min(n, self.steps_per_epoch) if self.steps_per_epoch is not None else n
+
+    def __len__(self) -> int:
+        per = self.batches_per_epoch()
+        if per is None:
+            raise TypeError("this loader's length is unknown (a generator source without steps_per_epoch)")
+        return per * self.epochs
+
+    def __iter__(self) -> Iterator[Any]:
+        from framework.steps import Prefetcher
+
+        for epoch in range(self.epochs):
+            self.epoch = epoch
+            sampler: Any = getattr(self.loader, "sampler", None)
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(epoch)
+            source = Prefetcher(iter(self.loader), self.transfer, depth=self.prefetch)
+            remaining = self.real_samples
+            try:
+                for i, batch in enumerate(source):
+                    if self.steps_per_epoch is not None and i >= self.steps_per_epoch:
+                        break
+                    if remaining is not None:
+                        self.last_real = min(batch_size_of(batch), remaining)
+                        remaining -= self.last_real
+                    self.last_batch = batch
+                    yield batch
+            finally:
+                source.close()
+
+
+class GeneratorDataset(torch.utils.data.IterableDataset):
+    """Samples from a Python generator (a callable returning an iterator, or a re-iterable),
+    dealt round-robin to data-parallel ranks: sample i goes to rank i % dp_size. A last,
+    incomplete round is dropped so every rank sees the same number of samples."""
+
+    def __init__(self, source: Any, dp_size: int, dp_rank: int):
+        self.source, self.dp_size, self.dp_rank = source, dp_size, dp_rank
+
+    def __iter__(self) -> Iterator[Any]:
+        items = self.source() if callable(self.source) else iter(self.source)
+        mine = None
+        for i, sample in enumerate(items):
+            if i % self.dp_size == self.dp_rank:
+                mine = sample
+            if i % self.dp_size == self.dp_size - 1:
+                yield mine

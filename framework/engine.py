@@ -1,7 +1,13 @@
-"""`Engine`: Paddle-style `fit` / `evaluate` / `predict` on top of a DeepSpeed engine.
+"""`Engine`: Paddle-style auto-parallel Engine on top of one DeepSpeed engine.
 
     engine = Engine(model, loss, optimizer, metrics, strategy=Strategy(sharding={"stage": 3}))
     history = engine.fit(train_ds, valid_data=valid_ds, epochs=2, batch_size=64)
+
+    # or own the loop
+    loader = engine.dataloader(train_ds, batch_size=64, epochs=2, mode="train")
+    engine.prepare(mode="train")
+    for batch in loader:
+        logs = engine.run(batch, mode="train", fetch_list=["features.2", "lr"])
 
 `batch_size` is always the global batch, split over data-parallel ranks (and accumulation
 steps for training). One DeepSpeed engine holds the weights for every mode.
@@ -10,18 +16,21 @@ steps for training). One DeepSpeed engine holds the weights for every mode.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import inspect
-import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
+from framework import cost as cost_lib
 from framework import data as data_lib
 from framework import device as dev
+from framework import loops
 from framework.callbacks import Callback, Event, TrainState
-from framework.steps import BatchIterator, Prefetcher, resolve_step, takes_iterator
+from framework.steps import resolve_step, takes_iterator
 from framework.strategy import (
     BatchLayout,
     ConfigError,
@@ -32,9 +41,11 @@ from framework.strategy import (
 )
 
 MODES = ("train", "eval", "predict")
+SPECIAL_FETCHES = ("lr", "grad_norm", "loss_scale")
 
 
-def _check_mode(mode: str) -> str:
+def check_mode(mode: str) -> str:
+    """`mode` if it is one of train / eval / predict, else a ValueError listing them."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; use one of 'train', 'eval', 'predict'")
     return mode
@@ -76,6 +87,23 @@ def model_init_context(
     # The dtype comes from the config's bf16/fp16 sections (passing dtype too makes DeepSpeed 0.19
     # pick bf16 on any accelerator without fp16).
     return deepspeed.zero.Init(config_dict_or_path=config)
+
+
+def split_micro_batches(batch: Any, parts: int) -> list[Any]:
+    """Split every tensor of a batch along dim 0 into `parts` equal micro-batches."""
+    if parts == 1:
+        return [batch]
+    if isinstance(batch, torch.Tensor):
+        if batch.shape[0] % parts:
+            raise ConfigError(f"a batch of {batch.shape[0]} does not split into {parts} accumulation steps")
+        return list(batch.chunk(parts))
+    if isinstance(batch, (list, tuple)):
+        columns = [split_micro_batches(b, parts) for b in batch]
+        return [type(batch)(col[i] for col in columns) for i in range(parts)]
+    if isinstance(batch, dict):
+        split = {k: split_micro_batches(v, parts) for k, v in batch.items()}
+        return [{k: v[i] for k, v in split.items()} for i in range(parts)]
+    return [batch] * parts
 
 
 class _Loss:
@@ -127,8 +155,8 @@ class Engine:
         self.module = model
         self.model: Any = model  # the DeepSpeed engine once prepared: engine.model(x) runs the forward pass
         self.loss = _Loss(loss) if loss is not None else None
-        self._optimizer_spec = optimizer
-        self._scheduler_spec = scheduler
+        self.optimizer_spec = optimizer
+        self.scheduler_spec = scheduler
         self.metrics = _named_metrics(metrics)
         self.strategy = strategy if isinstance(strategy, Strategy) else Strategy(**(strategy or {}))
         self.train_step_fn = resolve_step(train_step, model, "training_step")
@@ -140,9 +168,12 @@ class Engine:
         self.deepspeed_config: dict[str, Any] | None = None
         self.layout: BatchLayout | None = None
         self.state = TrainState(engine=self)
+        self.total_steps: int | None = None  # for schedulers that want it; set by fit()
+        self.mode: str | None = None
         self._prepared: set[str] = set()
-        self._total_steps: int | None = None
         self._float_dtype = getattr(torch, compute_dtype_name(self.strategy))
+        self._last_grad_norm: float | None = None
+        self._eval_loaders: list[weakref.ref[data_lib.DeviceLoader]] = []
 
     # ------------------------------------------------------------------ setup
     @property
@@ -167,23 +198,23 @@ class Engine:
         inputs_spec: Any = None,
         labels_spec: Any = None,
     ) -> None:
-        """Build the DeepSpeed engine for `mode` (once; again is a no-op). `batch_size` is global."""
-        _check_mode(mode)
-        if mode == "train" and (
-            self.loss is None or (self._optimizer_spec is None and "optimizer" not in self.strategy.deepspeed)
-        ):
+        """Build the DeepSpeed engine for `mode` (once; again is a no-op). `batch_size` is global.
+
+        `inputs_spec` / `labels_spec` are accepted for Paddle compatibility; shapes are taken
+        from the data at run time."""
+        check_mode(mode)
+        has_optimizer = self.optimizer_spec is not None or "optimizer" in self.strategy.deepspeed
+        if mode == "train" and (self.loss is None and self.train_step_fn is None or not has_optimizer):
             raise ConfigError("set optimizer and loss before training (Engine(model, loss, optimizer, ...))")
         if mode == "eval" and self.loss is None and self.eval_step_fn is None:
             raise ConfigError("set loss before evaluation (Engine(model, loss, ...))")
+        self.mode = mode
+        if mode in self._prepared:
+            return
         dev.init_process_group()
         if self.ds_engine is None:
             self._build(
-                batch_size or self.dp_size * self.strategy.accumulation_steps,
-                with_optimizer=(mode == "train"),
-            )
-        elif mode == "train" and self.ds_engine.optimizer is None and self._optimizer_spec is not None:
-            raise ConfigError(
-                "this Engine was prepared for eval/predict first; prepare(mode='train') before the other modes"
+                batch_size or self.dp_size * self.strategy.accumulation_steps, with_optimizer=has_optimizer
             )
         self._prepared.add(mode)
 
@@ -197,24 +228,28 @@ class Engine:
             self.strategy, global_batch_size, self.world_size, numel, largest
         )
         self.module.to(dev.device())
-        optimizer = self._optimizer_spec if with_optimizer else None
-        scheduler = self._scheduler_factory() if with_optimizer else None
+        if self.strategy.compile:
+            self.module.compile()
+        optimizer = self.optimizer_spec if with_optimizer else None
         trainable = [p for p in self.module.parameters() if p.requires_grad]
         self.ds_engine, _, _, _ = deepspeed.initialize(
             model=self.module,
             optimizer=optimizer,
             model_parameters=trainable if optimizer is None or callable(optimizer) else None,
-            lr_scheduler=scheduler,
+            lr_scheduler=self._scheduler_factory() if with_optimizer else None,
             config=self.deepspeed_config,
         )
         self.model = self.ds_engine
+        if self._float_dtype != torch.float32:
+            # engine.model(x) with float32 inputs (a user's own tensors) computes in the model's dtype.
+            self.module.register_forward_pre_hook(lambda _m, args: self.transfer(args))
         for metric in self.metrics.values():
             metric.to(dev.device())
-        if isinstance(self.loss, _Loss) and isinstance(self.loss.fn, nn.Module):
+        if self.loss is not None and isinstance(self.loss.fn, nn.Module):
             self.loss.fn.to(dev.device())
 
     def _scheduler_factory(self) -> Callable[[Any], Any] | None:
-        spec = self._scheduler_spec
+        spec = self.scheduler_spec
         if spec is None:
             return None
         try:
@@ -222,43 +257,81 @@ class Engine:
         except (TypeError, ValueError):
             wants_total = False
         if wants_total:
-            total = self._total_steps or 1
-            return lambda opt: spec(opt, total_steps=total)
+            return lambda opt: spec(opt, total_steps=self.total_steps or 1)
         return spec
 
-    def _transfer(self, batch: Any) -> Any:
+    def transfer(self, batch: Any) -> Any:
+        """Move a batch to this rank's device (floating tensors in the compute dtype)."""
         return dev.to_device(
             batch, dev.device(), self._float_dtype if self._float_dtype != torch.float32 else None
         )
 
-    # ------------------------------------------------------------------ manual optimisation
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward pass through DeepSpeed (for steps that drive optimisation themselves).
+    def fire(self, event: Event) -> None:
+        """Run every callback's handler for `event`."""
+        for callback in self.callbacks:
+            callback.on_event(event, self.state)
 
-        Several `backward` calls before one `step` accumulate correctly under every ZeRO stage."""
+    # ------------------------------------------------------------------ optimisation
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward pass through DeepSpeed, for steps that drive optimisation themselves.
+
+        Several `backward` calls before one `step` accumulate correctly under every ZeRO stage:
+        each is a non-boundary micro-step (the loss is used as given, not divided by the
+        accumulation steps); `step` closes the accumulation and applies it."""
         self.ds_engine.set_gradient_accumulation_boundary(False)
-        self._pending_backward = getattr(self, "_pending_backward", 0) + 1
-        self.ds_engine.backward(loss)
+        self.ds_engine.backward(loss, scale_wrt_gas=False)
 
     def step(self) -> None:
-        """Optimizer step after one or more `backward` calls."""
-        self.ds_engine.set_gradient_accumulation_boundary(True)
-        self.ds_engine.allreduce_gradients()
-        self.ds_engine.step()
-        self._pending_backward = 0
+        """Optimizer step after one or more `backward` calls.
 
-    def _auto_step(self, loss: torch.Tensor) -> None:
+        Closing an accumulation that ran entirely off-boundary differs by stage (measured
+        against plain torch, DeepSpeed 0.19): ZeRO-0/1 reduce the accumulated `.grad`s
+        explicitly; ZeRO-2 reduces only inside a boundary backward, so a zero-valued backward
+        over the parameters marks it; ZeRO-3 needs nothing more."""
+        ds = self.ds_engine
+        ds.set_gradient_accumulation_boundary(True)
+        stage = ds.zero_optimization_stage()
+        if stage < 2:
+            ds.allreduce_gradients()
+        elif stage == 2:
+            zero = sum((p * 0).sum() for p in self.module.parameters() if p.requires_grad)
+            ds.backward(zero, scale_wrt_gas=False)
+        ds.step()
+
+    def auto_step(self, loss: torch.Tensor) -> None:
+        """Backward + step of one micro-batch; DeepSpeed applies the update at accumulation boundaries."""
         self.ds_engine.backward(loss)
+        if (
+            self.ds_engine.is_gradient_accumulation_boundary()
+            and self.ds_engine.zero_optimization_stage() == 0
+        ):
+            self._last_grad_norm = self._local_grad_norm()
         self.ds_engine.step()
+
+    def _local_grad_norm(self) -> float:
+        grads = [p.grad.detach().float().norm() for p in self.module.parameters() if p.grad is not None]
+        return float(torch.stack(grads).norm()) if grads else 0.0
 
     @property
     def lr(self) -> float:
         """Current learning rate of the first parameter group."""
         opt = self.ds_engine.optimizer if self.ds_engine is not None else None
-        if opt is None:
-            return 0.0
         groups = getattr(opt, "param_groups", None) or []
         return float(groups[0]["lr"]) if groups else 0.0
+
+    @property
+    def grad_norm(self) -> float | None:
+        """Global gradient norm of the last optimizer step."""
+        norm = self.ds_engine.get_global_grad_norm() if self.ds_engine is not None else None
+        if norm is None:
+            return self._last_grad_norm
+        return float(norm.item() if isinstance(norm, torch.Tensor) else norm)
+
+    @property
+    def loss_scale(self) -> float:
+        """Current fp16 loss scale (1.0 without fp16)."""
+        opt = self.ds_engine.optimizer if self.ds_engine is not None else None
+        return float(getattr(opt, "cur_scale", getattr(opt, "loss_scale", 1.0)) or 1.0)
 
     # ------------------------------------------------------------------ metrics
     def reset_metrics(self) -> None:
@@ -266,7 +339,8 @@ class Engine:
         for metric in self.metrics.values():
             metric.reset()
 
-    def _update_metrics(self, outputs: Any, labels: Any) -> None:
+    def update_metrics(self, outputs: Any, labels: Any) -> None:
+        """Accumulate a batch into every metric."""
         if labels is None or not isinstance(outputs, torch.Tensor):
             return
         for metric in self.metrics.values():
@@ -284,21 +358,27 @@ class Engine:
             )
         return out
 
-    # ------------------------------------------------------------------ the default step
+    # ------------------------------------------------------------------ default steps
     def default_train_step(self, batch: Any) -> torch.Tensor:
         """loss(model(*inputs), labels), updating the training metrics."""
         inputs, labels = data_lib.split_batch(batch)
         outputs = self.model(*inputs)
         assert self.loss is not None
         loss = self.loss(outputs, labels)
-        self._update_metrics(outputs, labels)
+        self.update_metrics(outputs, labels)
         return loss
 
-    # ------------------------------------------------------------------ fit
-    def _fire(self, event: Event) -> None:
-        for callback in self.callbacks:
-            callback.on_event(event, self.state)
+    def eval_batch(self, batch: Any, real: int) -> tuple[Any, float | None]:
+        """Forward one evaluation batch; loss and metrics over its first `real` samples."""
+        inputs, labels = data_lib.split_batch(batch)
+        outputs = self.model(*inputs)
+        if real == 0 or labels is None or self.loss is None:
+            return outputs, None
+        outputs, labels = outputs[:real], labels[:real]
+        self.update_metrics(outputs, labels)
+        return outputs, float(self.loss(outputs, labels))
 
+    # ------------------------------------------------------------------ coarse-grained API
     def fit(
         self,
         train_data: Any,
@@ -318,148 +398,13 @@ class Engine:
         """Train for `epochs` epochs (or until `max_steps` optimizer steps) and return the history:
         per-epoch lists of loss, lr, each metric and, when validating, val_loss and val_<metric>.
 
-        `steps_per_epoch` caps optimizer steps per epoch; `log_freq` is in optimizer steps.
-        """
+        `steps_per_epoch` caps optimizer steps per epoch; `log_freq` is in optimizer steps."""
         self.callbacks.extend(callbacks or [])
-        dev.init_process_group()
-        layout = batch_layout(self.strategy, batch_size, self.world_size)
-        loader = data_lib.train_loader(
-            train_data,
-            layout.micro_batch_size,
-            self.dp_size,
-            self.dp_rank,
-            shuffle,
-            self.seed,
-            collate_fn=collate_fn,
-            num_workers=num_workers,
-        )
-        batches_per_epoch = len(loader)
-        if steps_per_epoch is not None:
-            batches_per_epoch = min(batches_per_epoch, steps_per_epoch * layout.accumulation_steps)
-        steps_each_epoch = max(1, batches_per_epoch // layout.accumulation_steps)
-        total = epochs * steps_each_epoch
-        self._total_steps = min(total, max_steps) if max_steps else total
-        self.prepare("train", batch_size)
-        st = self.state
-        st.epochs, st.max_steps, st.global_batch_size = epochs, max_steps, batch_size
-        st.batches_per_epoch, st.history, st.stop_training = batches_per_epoch, {}, False
-        start = time.perf_counter()
-        self._fire(Event.FIT_START)
-        for epoch in range(st.epoch, epochs):
-            st.epoch = epoch
-            loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
-            logs = self._train_epoch(loader, batches_per_epoch, log_freq)
-            if valid_data is not None and (epoch + 1) % valid_freq == 0:
-                val = self.evaluate(
-                    valid_data, batch_size=valid_batch_size or batch_size, collate_fn=collate_fn
-                )
-                logs.update({("val_" + k if not k.startswith("val_") else k): v for k, v in val.items()})
-                st.logs = dict(logs)
-                self._fire(Event.VALIDATION_END)
-            for key, value in logs.items():
-                st.history.setdefault(key, []).append(value)
-            st.logs = dict(logs, epoch=epoch + 1)
-            st.elapsed_s = time.perf_counter() - start
-            self._fire(Event.EPOCH_END)
-            if st.stop_training:
-                break
-        st.elapsed_s = time.perf_counter() - start
-        self._fire(Event.FIT_END)
-        return st.history
+        return loops.fit(
+            self, train_data, valid_data, epochs, batch_size, steps_per_epoch, valid_freq, log_freq,
+            max_steps, valid_batch_size, shuffle, collate_fn, num_workers,
+        )  # fmt: skip
 
-    def _train_epoch(self, loader: Any, batches_per_epoch: int, log_freq: int) -> dict[str, Any]:
-        st = self.state
-        self.model.train()
-        self.reset_metrics()
-        st.batches_in_epoch = st.step_calls = 0
-        self._fire(Event.EPOCH_START)
-        samples_factor = self.dp_size
-
-        def on_fetch(batch: Any) -> None:
-            st.batches_in_epoch += 1
-            st.batches_fetched += 1
-            st.samples_seen += BatchIterator.samples_in(batch) * samples_factor
-
-        source = Prefetcher(iter(loader), self._transfer, depth=self.prefetch)
-        batches = BatchIterator(source, on_fetch, limit=batches_per_epoch)
-        step_fn = self.train_step_fn
-        iterator_step = step_fn is not None and takes_iterator(step_fn)
-        epoch_loss, epoch_calls, window_loss, window_calls = 0.0, 0, 0.0, 0
-        idle_calls = 0
-        try:
-            while not st.stop_training:
-                if st.max_steps is not None and st.global_step >= st.max_steps:
-                    st.stop_training, st.stop_reason = True, f"reached trainer.max_steps={st.max_steps}"
-                    break
-                fetched_before = batches.fetched
-                steps_before = self.ds_engine.global_steps
-                try:
-                    if iterator_step:
-                        result = step_fn(self, batches)  # type: ignore[misc]
-                    else:
-                        batch = next(batches)
-                        result = (
-                            step_fn(self, batch) if step_fn is not None else self.default_train_step(batch)
-                        )
-                except StopIteration:
-                    break
-                loss_value = self._consume_result(result)
-                st.step_calls += 1
-                if loss_value is not None:
-                    epoch_loss += loss_value
-                    window_loss += loss_value
-                    epoch_calls += 1
-                    window_calls += 1
-                idle_calls = idle_calls + 1 if batches.fetched == fetched_before else 0
-                if idle_calls > 10_000:
-                    raise RuntimeError(
-                        "the training step pulled no batch in 10000 consecutive calls; it never ends"
-                    )
-                st.global_step = self.ds_engine.global_steps
-                stepped = st.global_step > steps_before
-                st.log_now = stepped and st.global_step % max(1, log_freq) == 0
-                st.logs = {"batches": st.batches_in_epoch, "lr": self.lr}
-                if st.log_now:
-                    st.logs["loss"] = dev.all_reduce_mean(window_loss / max(window_calls, 1))
-                    window_loss, window_calls = 0.0, 0
-                self._fire(Event.STEP_END)
-        finally:
-            source.close()
-        logs: dict[str, Any] = {"loss": dev.all_reduce_mean(epoch_loss / max(epoch_calls, 1)), "lr": self.lr}
-        logs.update(self.compute_metrics())
-        return logs
-
-    def _consume_result(self, result: Any) -> float | None:
-        """Act on what a step returned: a loss tensor is backpropagated and stepped; a dict is logged."""
-        if isinstance(result, torch.Tensor):
-            self._auto_step(result)
-            return float(result.detach().float().item())
-        if isinstance(result, dict):
-            loss = result.get("loss")
-            if isinstance(loss, torch.Tensor):
-                return float(loss.detach().float().item())
-            return float(loss) if loss is not None else None
-        if result is None:
-            return None
-        raise TypeError(
-            f"a training step must return a loss tensor, a dict or None, got {type(result).__name__}"
-        )
-
-    # ------------------------------------------------------------------ evaluate / predict
-    def _eval_batches(
-        self, dataset: Any, batch_size: int, collate_fn: Callable | None
-    ) -> tuple[Iterator[Any], int]:
-        if batch_size % self.dp_size != 0:
-            raise ConfigError(
-                f"batch size {batch_size} does not divide over {self.dp_size} data-parallel ranks; "
-                f"use a multiple of {self.dp_size}"
-            )
-        loader = data_lib.eval_loader(
-            dataset, batch_size // self.dp_size, self.dp_size, self.dp_rank, collate_fn
-        )
-        return Prefetcher(iter(loader), self._transfer, depth=self.prefetch), loader.sampler.num_real  # type: ignore[attr-defined]
-
-    @torch.no_grad()
     def evaluate(
         self,
         valid_data: Any,
@@ -469,37 +414,8 @@ class Engine:
     ) -> dict[str, float]:
         """Loss and metrics over `valid_data` (every sample counted once, across all ranks)."""
         self.prepare("eval", batch_size)
-        was_training = self.module.training
-        self.model.eval()
-        self.reset_metrics()
-        batches, remaining = self._eval_batches(valid_data, batch_size, collate_fn)
-        loss_sum, count = 0.0, 0
-        try:
-            for i, batch in enumerate(batches):
-                if steps is not None and i >= steps:
-                    break
-                real = min(data_lib.batch_size_of(batch), remaining)
-                remaining -= real
-                inputs, labels = data_lib.split_batch(batch)
-                outputs = self.model(*inputs)
-                if real == 0 or labels is None:
-                    continue
-                outputs, labels = outputs[:real], labels[:real]
-                if self.loss is not None:
-                    loss_sum += float(self.loss(outputs, labels)) * real
-                    count += real
-                self._update_metrics(outputs, labels)
-        finally:
-            batches.close()  # type: ignore[attr-defined]
-        totals = dev.all_gather_object((loss_sum, count))
-        total_count = sum(c for _, c in totals)
-        result = {"loss": sum(s for s, _ in totals) / max(total_count, 1)} if self.loss is not None else {}
-        result.update(self.compute_metrics())
-        self.reset_metrics()
-        self.model.train(was_training)
-        return result
+        return loops.evaluate(self, valid_data, batch_size, steps, collate_fn)
 
-    @torch.no_grad()
     def predict(
         self,
         test_data: Any,
@@ -507,38 +423,225 @@ class Engine:
         steps: int | None = None,
         collate_fn: Callable | None = None,
     ) -> list[Any]:
-        """Model outputs for `test_data`, in dataset order, one entry per global batch (on the CPU)."""
+        """Model outputs for `test_data`, in dataset order, one CPU tensor per global batch."""
         self.prepare("predict", batch_size)
-        was_training = self.module.training
-        self.model.eval()
-        batches, remaining = self._eval_batches(test_data, batch_size, collate_fn)
-        mine: list[torch.Tensor] = []
-        try:
-            for i, batch in enumerate(batches):
-                if steps is not None and i >= steps:
-                    break
-                real = min(data_lib.batch_size_of(batch), remaining)
-                remaining -= real
-                inputs, _ = data_lib.split_batch(batch)
-                outputs = self.model(*inputs)
-                if real:
-                    mine.append(outputs[:real].detach().float().cpu())
-        finally:
-            batches.close()  # type: ignore[attr-defined]
-        self.model.train(was_training)
-        shards = [torch.cat(s) if s else None for s in dev.all_gather_object(mine)]
-        present = [s for s in shards if s is not None]
-        if not present:
-            return []
-        total = sum(len(s) for s in present)
-        out = present[0].new_empty((total, *present[0].shape[1:]))
-        for r, shard in enumerate(shards):
-            if shard is not None:
-                out[r : r + len(shard) * self.dp_size : self.dp_size] = shard
-        return list(out.split(batch_size))
+        return loops.predict(self, test_data, batch_size, steps, collate_fn)
 
-    # ------------------------------------------------------------------ helpers
-    def cost(self) -> dict[str, int]:
-        """Parameter count (placeholder for the fuller cost model)."""
+    # ------------------------------------------------------------------ fine-grained API
+    def dataloader(
+        self,
+        dataset: Any,
+        batch_size: int = 1,
+        shuffle: bool = False,
+        drop_last: bool = False,
+        collate_fn: Callable | None = None,
+        num_workers: int = 0,
+        epochs: int = 1,
+        steps_per_epoch: int | None = None,
+        mode: str = "train",
+    ) -> data_lib.DeviceLoader:
+        """This rank's share of `dataset` in global batches of `batch_size`, on the device, for
+        `epochs` epochs; prepares `mode` if it is not prepared yet.
+
+        Train batches hold batch_size / data-parallel ranks samples (`run` splits them into the
+        accumulation steps); every train batch is full. Eval/predict shards cover each sample
+        once (`run` ignores the padding that evens them out)."""
+        check_mode(mode)
+        dev.init_process_group()
+        if mode == "train":
+            layout = batch_layout(self.strategy, batch_size, self.world_size)
+            per_rank = layout.micro_batch_size * layout.accumulation_steps
+            loader = data_lib.train_loader(
+                dataset,
+                per_rank,
+                self.dp_size,
+                self.dp_rank,
+                shuffle,
+                self.seed,
+                True,
+                collate_fn,
+                num_workers,
+            )
+            if self.total_steps is None:
+                self.total_steps = epochs * (steps_per_epoch or len(loader))
+            self.prepare(mode, batch_size)
+            return data_lib.DeviceLoader(
+                loader, self.transfer, epochs, steps_per_epoch, self.prefetch, batch_size
+            )
+        if batch_size % self.dp_size:
+            raise ConfigError(
+                f"batch size {batch_size} does not divide over {self.dp_size} data-parallel ranks; use a multiple of {self.dp_size}"
+            )
+        self.prepare(mode, batch_size)
+        loader = data_lib.eval_loader(
+            dataset, batch_size // self.dp_size, self.dp_size, self.dp_rank, collate_fn, num_workers
+        )
+        real = loader.sampler.num_real  # type: ignore[attr-defined]
+        device_loader = data_lib.DeviceLoader(
+            loader, self.transfer, epochs, steps_per_epoch, self.prefetch, batch_size, real
+        )
+        self._eval_loaders = [r for r in self._eval_loaders if r() is not None] + [weakref.ref(device_loader)]
+        return device_loader
+
+    def dataloader_from_generator(
+        self,
+        generator: Any,
+        batch_size: int = 1,
+        epochs: int = 1,
+        steps_per_epoch: int | None = None,
+        collate_fn: Callable | None = None,
+        mode: str = "train",
+    ) -> data_lib.DeviceLoader:
+        """Legacy path for a Python generator of samples (a callable returning an iterator, or a
+        re-iterable): samples are dealt round-robin to ranks and collated into global batches."""
+        check_mode(mode)
+        dev.init_process_group()
+        layout = batch_layout(self.strategy, batch_size, self.world_size) if mode == "train" else None
+        if layout is None and batch_size % self.dp_size:
+            raise ConfigError(
+                f"batch size {batch_size} does not divide over {self.dp_size} data-parallel ranks"
+            )
+        per_rank = batch_size // self.dp_size
+        source = data_lib.GeneratorDataset(generator, self.dp_size, self.dp_rank)
+        loader = torch.utils.data.DataLoader(
+            source, batch_size=per_rank, drop_last=True, collate_fn=collate_fn
+        )
+        self.prepare(mode, batch_size)
+        return data_lib.DeviceLoader(
+            loader, self.transfer, epochs, steps_per_epoch, self.prefetch, batch_size
+        )
+
+    def run(
+        self,
+        data: Any = None,
+        feed: dict[str, Any] | None = None,
+        fetch_list: list[str] | None = None,
+        mode: str | None = None,
+    ) -> dict[str, Any]:
+        """Run exactly one step of `mode` on one batch and return its logs.
+
+        train: one optimizer step (the batch is split into the accumulation steps) ->
+        {"loss", <metrics so far>, "fetches"}; eval: {"loss", <metrics so far>, "fetches"};
+        predict: {"outputs", "fetches"}. `feed` is an alternative to `data`:
+        {"inputs": ..., "labels": ...}. `fetch_list` names sub-modules whose outputs to return,
+        plus "lr", "grad_norm" and "loss_scale". Metrics accumulate until `reset_metrics()`."""
+        mode = mode or self.mode
+        if mode is None or (mode in MODES and mode not in self._prepared):
+            raise ConfigError(
+                f"nothing is prepared for mode {mode or 'train'!r}: call engine.prepare(mode=...) "
+                "or engine.dataloader(..., mode=...) first"
+            )
+        check_mode(mode)
+        if data is None and feed is not None:
+            data = (feed["inputs"], feed["labels"]) if "labels" in feed else feed["inputs"]
+        if data is None:
+            raise ValueError("run() needs a batch: run(batch) or run(feed={'inputs': x, 'labels': y})")
+        batch = self.transfer(data)
+        with self._capture(fetch_list) as captured:
+            logs = self._run_one(batch, mode, real=self._real_count(data))
+        logs["fetches"] = self._fetches(fetch_list, captured)
+        return logs
+
+    def _run_one(self, batch: Any, mode: str, real: int) -> dict[str, Any]:
+        if mode == "train":
+            self.model.train()
+            assert self.layout is not None
+            losses = []
+            step_fn = self.train_step_fn
+            for micro in split_micro_batches(batch, self.layout.accumulation_steps):
+                if step_fn is None:
+                    result: Any = self.default_train_step(micro)
+                elif takes_iterator(step_fn):
+                    result = step_fn(self, iter([micro]))
+                else:
+                    result = step_fn(self, micro)
+                value = loops.consume_result(self, result)
+                if value is not None:
+                    losses.append(value)
+            return {"loss": sum(losses) / len(losses) if losses else None, **self.compute_metrics()}
+        with torch.no_grad():
+            was_training = self.module.training
+            self.model.eval()
+            if mode == "eval":
+                _, loss = self.eval_batch(batch, real)
+                logs: dict[str, Any] = {"loss": loss, **self.compute_metrics()}
+            else:
+                inputs, _ = data_lib.split_batch(batch)
+                logs = {"outputs": self.model(*inputs)[:real]}
+            self.model.train(was_training)
+        return logs
+
+    def _real_count(self, data: Any) -> int:
+        """Samples of `data` that are real: all, unless it is the batch an eval shard just padded."""
+        for ref in self._eval_loaders:
+            loader = ref()
+            if loader is not None and loader.last_batch is data and loader.last_real is not None:
+                return loader.last_real
+        return data_lib.batch_size_of(data)
+
+    @contextlib.contextmanager
+    def _capture(self, names: list[str] | None) -> Iterator[dict[str, list[Any]]]:
+        captured: dict[str, list[Any]] = {}
+        modules = dict(self.module.named_modules())
+        handles = []
+        for name in names or []:
+            if name in SPECIAL_FETCHES:
+                continue
+            if name not in modules:
+                close = difflib.get_close_matches(name, [n for n in modules if n], n=3)
+                hint = f"; closest: {', '.join(close)}" if close else ""
+                raise ValueError(
+                    f"fetch_list name {name!r} is not a sub-module of {type(self.module).__name__}{hint}"
+                )
+
+            def hook(_module: nn.Module, _inputs: Any, output: Any, _name: str = name) -> None:
+                captured.setdefault(_name, []).append(
+                    output.detach() if isinstance(output, torch.Tensor) else output
+                )
+
+            handles.append(modules[name].register_forward_hook(hook))
+        try:
+            yield captured
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _fetches(self, names: list[str] | None, captured: dict[str, list[Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in names or []:
+            if name == "lr":
+                out[name] = self.lr
+            elif name == "grad_norm":
+                out[name] = self.grad_norm
+            elif name == "loss_scale":
+                out[name] = self.loss_scale
+            else:
+                values = captured.get(name, [])
+                tensors = all(isinstance(v, torch.Tensor) for v in values)
+                out[name] = (
+                    torch.cat(values)
+                    if values and tensors and len(values) > 1
+                    else (values[0] if values else None)
+                )
+        return out
+
+    def cost(self, mode: str = "train", world_size: int | None = None) -> dict[str, Any]:
+        """Estimated per-rank bytes of parameters, gradients and optimizer states under this
+        strategy (see `framework.cost`), before anything runs; DeepSpeed's own estimate beside it."""
+        check_mode(mode)
         numel, largest = param_counts(self.module)
-        return {"parameters": numel, "largest_parameter": largest}
+        ws = world_size or self.world_size
+        k = (
+            cost_lib.optimizer_state_bytes_per_param(self.optimizer_spec)
+            if self.optimizer_spec is not None
+            else 8
+        )
+        if mode != "train":
+            k = 0
+        estimate: dict[str, Any] = cost_lib.model_state_bytes(self.strategy, numel, largest, ws, k)
+        if mode != "train":
+            estimate["grads_bytes"] = 0
+            estimate["total_bytes"] = estimate["params_bytes"] + estimate["optimizer_bytes"]
+        estimate["largest_parameter"] = largest
+        estimate["deepspeed_estimate"] = cost_lib.deepspeed_estimate(self.strategy, numel, largest, ws)
+        return estimate

@@ -336,8 +336,9 @@ def deepspeed_config(
             config["bf16"] = {"enabled": True}
         else:
             config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
-    if strategy.gradient_clip.max_norm > 0:
-        config["gradient_clipping"] = float(strategy.gradient_clip.max_norm)
+    # Always explicit: DeepSpeed 0.19 defaults to clipping at 1.0, which would silently change
+    # every update whose gradient norm exceeds 1.
+    config["gradient_clipping"] = float(max(strategy.gradient_clip.max_norm, 0.0))
     if strategy.recompute.enable:
         config["activation_checkpointing"] = {
             "partition_activations": False,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -33,17 +34,37 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_train(
-    args: list[str], run_dir: Path, timeout: float = 240, torchrun: int = 0, env: dict | None = None
-):
-    """Run `python train.py ARGS hydra.run.dir=RUN_DIR` (or under torchrun with N processes)."""
-    cmd = [sys.executable]
-    if torchrun:
-        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={torchrun}"]
-    cmd += [str(ROOT / "train.py"), *args, f"hydra.run.dir={run_dir}"]
-    return subprocess.run(
-        cmd, cwd=ROOT, env=env or subprocess_env(), capture_output=True, text=True, timeout=timeout
+def run_cmd(cmd: list[str], timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run a command in its own process group; on timeout kill the whole group (launcher and
+    workers), so a hung multi-process run never outlives its test."""
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env or subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"timed out after {timeout} s: {' '.join(cmd)}\n{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def torchrun(nproc: int) -> list[str]:
+    """The command prefix that starts `nproc` local workers with torch's elastic launcher."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+
+
+def run_train(args: list[str], run_dir: Path, timeout: float = 240, nproc: int = 0, env: dict | None = None):
+    """Run `python train.py ARGS hydra.run.dir=RUN_DIR` (under torchrun when nproc > 0)."""
+    cmd = torchrun(nproc) if nproc else [sys.executable]
+    cmd += [str(ROOT / "train.py"), *args, f"hydra.run.dir={run_dir}"]
+    return run_cmd(cmd, timeout, env)
 
 
 def final_metrics(run_dir: Path) -> dict:

@@ -105,9 +105,14 @@ def test_named_adam_optimizer_avoids_fused_adam_jit():
     assert deepspeed_config(s, 8, 1)["optimizer"]["params"] == {"lr": 1e-3, "torch_adam": True}
 
 
-def test_gradient_clip_and_recompute():
-    ds = deepspeed_config(Strategy(gradient_clip={"max_norm": 1.0}, recompute={"enable": True}), 8, 1)
-    assert ds["gradient_clipping"] == 1.0
+def test_gradient_clipping_is_off_unless_asked():
+    """DeepSpeed's own default clips at 1.0; ours is off (0.0) unless the strategy asks."""
+    assert deepspeed_config(Strategy(), 8, 1)["gradient_clipping"] == 0.0
+    assert deepspeed_config(Strategy(gradient_clip={"max_norm": 0.5}), 8, 1)["gradient_clipping"] == 0.5
+
+
+def test_recompute():
+    ds = deepspeed_config(Strategy(recompute={"enable": True}), 8, 1)
     assert ds["activation_checkpointing"]["cpu_checkpointing"] is False
 
 
