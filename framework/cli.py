@@ -244,6 +244,7 @@ def train(cfg: DictConfig, output_dir: str | None) -> float | None:
             batch_size=t.batch_size,
             steps_per_epoch=t.steps_per_epoch,
             valid_freq=t.valid_every,
+            valid_at_start=t.valid_at_start,
             log_freq=t.log_every,
             max_steps=t.max_steps,
             valid_batch_size=t.valid_batch_size,

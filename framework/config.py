@@ -51,6 +51,7 @@ class TrainerConfig:
     batch_size: int = 64
     valid_batch_size: int | None = None  # default: batch_size
     valid_every: int = 1  # validate every N epochs
+    valid_at_start: bool = False  # also validate before the first step (the starting point of the curve)
     devices: int = 1  # worker processes on this machine (ignored when launched by torchrun/deepspeed/srun)
     seed: int = 0
     log_every: int = 10  # optimizer steps between logged lines / metrics.jsonl records

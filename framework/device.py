@@ -113,6 +113,8 @@ def quiet_deepspeed(verbose: bool = False) -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"deepspeed.*")
     warnings.filterwarnings("ignore", category=UserWarning, module=r"deepspeed.*")
     warnings.filterwarnings("ignore", message=".*set_vital.*")
+    # DeepSpeed's pipeline broadcasts tied weights through autograd; torch warns on every backward.
+    warnings.filterwarnings("ignore", message=".*autograd kernel was not registered.*")
 
 
 def init_process_group(timeout_s: float = 300.0) -> None:

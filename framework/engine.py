@@ -29,6 +29,7 @@ from framework import cost as cost_lib
 from framework import data as data_lib
 from framework import device as dev
 from framework import loops
+from framework import pipeline as pipeline_lib
 from framework.callbacks import Callback, Event, TrainState
 from framework.steps import resolve_step, takes_iterator
 from framework.strategy import (
@@ -161,6 +162,11 @@ class Engine:
         self.strategy = strategy if isinstance(strategy, Strategy) else Strategy(**(strategy or {}))
         self.train_step_fn = resolve_step(train_step, model, "training_step")
         self.eval_step_fn = resolve_step(eval_step, model, "validation_step")
+        if self.strategy.uses_pipeline and (self.train_step_fn is not None or self.eval_step_fn is not None):
+            raise ConfigError(
+                "custom training/validation steps cannot run with pipeline parallelism: "
+                "the pipeline engine drives the micro-batches itself"
+            )
         self.callbacks: list[Callback] = list(callbacks or [])
         self.seed = seed
         self.prefetch = prefetch
@@ -230,10 +236,15 @@ class Engine:
         self.module.to(dev.device())
         if self.strategy.compile:
             self.module.compile()
+        module = self.module
+        if self.strategy.uses_pipeline:
+            if self.loss is None:
+                raise ConfigError("pipeline parallelism needs a loss: the last stage computes it")
+            module = pipeline_lib.build_pipeline_module(self.module, self.strategy, self.loss)
         optimizer = self.optimizer_spec if with_optimizer else None
-        trainable = [p for p in self.module.parameters() if p.requires_grad]
+        trainable = [p for p in module.parameters() if p.requires_grad]
         self.ds_engine, _, _, _ = deepspeed.initialize(
-            model=self.module,
+            model=module,
             optimizer=optimizer,
             model_parameters=trainable if optimizer is None or callable(optimizer) else None,
             lr_scheduler=self._scheduler_factory() if with_optimizer else None,
@@ -394,15 +405,17 @@ class Engine:
         collate_fn: Callable | None = None,
         num_workers: int = 0,
         callbacks: Iterable[Callback] | None = None,
+        valid_at_start: bool = False,
     ) -> dict[str, list[Any]]:
         """Train for `epochs` epochs (or until `max_steps` optimizer steps) and return the history:
-        per-epoch lists of loss, lr, each metric and, when validating, val_loss and val_<metric>.
+        per-epoch lists of loss, lr, each metric and, when validating, val_loss and val_<metric>
+        (with `valid_at_start`, also start_val_loss, ... measured before the first step).
 
         `steps_per_epoch` caps optimizer steps per epoch; `log_freq` is in optimizer steps."""
         self.callbacks.extend(callbacks or [])
         return loops.fit(
             self, train_data, valid_data, epochs, batch_size, steps_per_epoch, valid_freq, log_freq,
-            max_steps, valid_batch_size, shuffle, collate_fn, num_workers,
+            max_steps, valid_batch_size, shuffle, collate_fn, num_workers, valid_at_start,
         )  # fmt: skip
 
     def evaluate(

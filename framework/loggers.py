@@ -102,6 +102,12 @@ class ConsoleLogger(Callback):
             )
             self._window_t, self._window_samples = time.perf_counter(), state.samples_seen
 
+    def on_validation_end(self, state: TrainState) -> None:
+        """The validation before training starts gets a line of its own."""
+        if state.global_step == 0:
+            text = "  ".join(f"{k} {_fmt(v)}" for k, v in state.logs.items())
+            self.console.print(f"before training: {text}")
+
     def on_epoch_end(self, state: TrainState) -> None:
         """One line per epoch with its training and validation numbers."""
         if self.progress is not None:
@@ -143,13 +149,13 @@ class ConsoleLogger(Callback):
 
 
 class MetricsFile(Callback):
-    """Append one JSON object per logging step and per epoch to `metrics.jsonl` (flushed each line,
-    so a crash loses nothing that was logged)."""
+    """One JSON object per logging step and per epoch in `metrics.jsonl` (flushed each line, so a
+    crash loses nothing that was logged). A resumed run appends; a new run starts the file."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, append: bool = False):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed on fit end
+        self._file = open(self.path, "a" if append else "w", encoding="utf-8")  # noqa: SIM115 - closed on fit end
 
     def _write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record, default=float) + "\n")
@@ -169,6 +175,11 @@ class MetricsFile(Callback):
                     **{k: v for k, v in state.logs.items() if k != "batches"},
                 }
             )
+
+    def on_validation_end(self, state: TrainState) -> None:
+        """A record for the validation before training starts."""
+        if state.global_step == 0:
+            self._write({"kind": "validation", "step": 0, "batches_total": 0, **state.logs})
 
     def on_epoch_end(self, state: TrainState) -> None:
         """A record with the epoch's summary (and validation)."""

@@ -14,9 +14,10 @@ import torch
 
 from framework import data as data_lib
 from framework import device as dev
+from framework import pipeline as pipeline_lib
 from framework.callbacks import Event
 from framework.steps import BatchIterator, Prefetcher, takes_iterator
-from framework.strategy import batch_layout
+from framework.strategy import ConfigError, batch_layout
 
 if TYPE_CHECKING:
     from framework.engine import Engine
@@ -39,6 +40,7 @@ def fit(
     shuffle: bool,
     collate_fn: Callable | None,
     num_workers: int,
+    valid_at_start: bool = False,
 ) -> dict[str, list[Any]]:
     """Train for `epochs` epochs or `max_steps` optimizer steps; return per-epoch history."""
     dev.init_process_group()
@@ -64,6 +66,12 @@ def fit(
     st.batches_per_epoch, st.history, st.stop_training = batches_per_epoch, {}, False
     start = time.perf_counter()
     engine.fire(Event.FIT_START)
+    if valid_data is not None and valid_at_start and st.global_step == 0:
+        val = engine.evaluate(valid_data, batch_size=valid_batch_size or batch_size, collate_fn=collate_fn)
+        st.logs = {f"val_{k}": v for k, v in val.items()}
+        for key, value in st.logs.items():
+            st.history[f"start_{key}"] = [value]
+        engine.fire(Event.VALIDATION_END)
     for epoch in range(st.epoch, epochs):
         st.epoch = epoch
         loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
@@ -102,31 +110,31 @@ def train_epoch(engine: Engine, loader: Any, batches_per_epoch: int, log_freq: i
 
     source = Prefetcher(iter(loader), engine.transfer, depth=engine.prefetch)
     batches = BatchIterator(source, on_fetch, limit=batches_per_epoch)
-    step_fn = engine.train_step_fn
-    iterator_step = step_fn is not None and takes_iterator(step_fn)
+    step = _train_step_caller(engine, batches)
+    # A middle pipeline stage pulls no data, so every rank counts train_batch calls instead.
+    calls_per_epoch = (
+        batches_per_epoch // engine.strategy.accumulation_steps if engine.strategy.uses_pipeline else None
+    )
     epoch_loss, epoch_calls, window_loss, window_calls, idle_calls = 0.0, 0, 0.0, 0, 0
     try:
         while not st.stop_training:
             if st.max_steps is not None and st.global_step >= st.max_steps:
                 st.stop_training, st.stop_reason = True, f"reached trainer.max_steps={st.max_steps}"
                 break
+            if calls_per_epoch is not None and st.step_calls >= calls_per_epoch:
+                break
             fetched_before, steps_before = batches.fetched, engine.ds_engine.global_steps
             try:
-                if iterator_step:
-                    result = step_fn(engine, batches)  # type: ignore[misc]
-                else:
-                    batch = next(batches)
-                    result = (
-                        step_fn(engine, batch) if step_fn is not None else engine.default_train_step(batch)
-                    )
+                loss_value = consume_result(engine, step())
             except StopIteration:
                 break
-            loss_value = consume_result(engine, result)
             st.step_calls += 1
             if loss_value is not None:
                 epoch_loss, epoch_calls = epoch_loss + loss_value, epoch_calls + 1
                 window_loss, window_calls = window_loss + loss_value, window_calls + 1
-            idle_calls = idle_calls + 1 if batches.fetched == fetched_before else 0
+            idle_calls = (
+                idle_calls + 1 if batches.fetched == fetched_before and calls_per_epoch is None else 0
+            )
             if idle_calls >= MAX_IDLE_CALLS:
                 raise RuntimeError(f"the training step pulled no batch in {MAX_IDLE_CALLS} consecutive calls")
             st.global_step = engine.ds_engine.global_steps
@@ -143,9 +151,22 @@ def train_epoch(engine: Engine, loader: Any, batches_per_epoch: int, log_freq: i
     return logs
 
 
+def _train_step_caller(engine: Engine, batches: BatchIterator) -> Callable[[], Any]:
+    """A zero-argument call of this engine's step flavour on `batches`."""
+    step_fn = engine.train_step_fn
+    if engine.strategy.uses_pipeline:
+        return lambda: float(pipeline_lib.train_batch(engine.ds_engine, batches))
+    if step_fn is not None and takes_iterator(step_fn):
+        return lambda: step_fn(engine, batches)
+    if step_fn is not None:
+        return lambda: step_fn(engine, next(batches))
+    return lambda: engine.default_train_step(next(batches))
+
+
 def consume_result(engine: Engine, result: Any) -> float | None:
     """Act on what a training step returned: a loss tensor is backpropagated and stepped; a dict
-    (the step optimised itself) is only logged."""
+    (the step optimised itself) is only logged; a float is a loss the pipeline engine already
+    stepped on."""
     if isinstance(result, torch.Tensor):
         engine.auto_step(result)
         return float(result.detach().float().item())
@@ -154,8 +175,8 @@ def consume_result(engine: Engine, result: Any) -> float | None:
         if isinstance(loss, torch.Tensor):
             return float(loss.detach().float().item())
         return float(loss) if loss is not None else None
-    if result is None:
-        return None
+    if result is None or isinstance(result, float):
+        return result
     raise TypeError(f"a training step must return a loss tensor, a dict or None, got {type(result).__name__}")
 
 
@@ -164,6 +185,8 @@ def evaluate(
     engine: Engine, data: Any, batch_size: int, steps: int | None, collate_fn: Callable | None
 ) -> dict[str, float]:
     """Loss and metrics over `data`, every sample counted once across all ranks."""
+    if engine.strategy.uses_pipeline:
+        return _evaluate_pipeline(engine, data, batch_size, steps, collate_fn)
     was_training = engine.module.training
     engine.model.eval()
     engine.reset_metrics()
@@ -198,11 +221,40 @@ def evaluate(
     return result
 
 
+def _evaluate_pipeline(
+    engine: Engine, data: Any, batch_size: int, steps: int | None, collate_fn: Callable | None
+) -> dict[str, float]:
+    """Validation loss through the pipeline: `eval_batch` over full rounds of micro-batches (a
+    remainder smaller than one round is left out, so every sample that counts is real)."""
+    layout = batch_layout(engine.strategy, batch_size, engine.world_size)
+    loader = data_lib.train_loader(
+        data, layout.micro_batch_size, engine.dp_size, engine.dp_rank, shuffle=False, collate_fn=collate_fn
+    )
+    calls = len(loader) // layout.accumulation_steps
+    if steps is not None:
+        calls = min(calls, steps)
+    was_training = engine.module.training
+    source = Prefetcher(iter(loader), engine.transfer, depth=engine.prefetch)
+    losses = []
+    try:
+        for _ in range(calls):
+            losses.append(float(pipeline_lib.eval_batch(engine.ds_engine, source)))
+    finally:
+        source.close()
+    engine.model.train(was_training)
+    return {"loss": dev.all_reduce_mean(sum(losses) / len(losses))} if losses else {}
+
+
 @torch.no_grad()
 def predict(
     engine: Engine, data: Any, batch_size: int, steps: int | None, collate_fn: Callable | None
 ) -> list[Any]:
     """Model outputs in dataset order, one CPU tensor per global batch."""
+    if engine.strategy.uses_pipeline:
+        raise ConfigError(
+            "predict() is not available with pipeline parallelism (outputs exist on the last stage only); "
+            "save the weights and predict without a pipeline"
+        )
     was_training = engine.module.training
     engine.model.eval()
     loader = engine.dataloader(

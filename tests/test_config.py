@@ -62,7 +62,10 @@ def test_every_strategy_option_builds_a_strategy(compose, name):
 @pytest.mark.parametrize("name", options("model"))
 def test_every_model_option_instantiates_and_runs(compose, name):
     model = instantiate(compose([f"model={name}"]).model)
-    assert model(torch.zeros(2, 64)).shape == (2, 10)
+    if name == "gpt":
+        assert model(torch.zeros(2, 16, dtype=torch.long)).shape == (2, 16, 128)
+    else:
+        assert model(torch.zeros(2, 64)).shape == (2, 10)
 
 
 @pytest.mark.parametrize("name", options("data"))
@@ -70,7 +73,11 @@ def test_every_data_option_instantiates(compose, name):
     splits = instantiate(compose([f"data={name}"]).data.dataset)
     assert isinstance(splits, Splits) and len(splits.train) > len(splits.valid) > 0
     x, y = splits.train[0]
-    assert x.shape == (64,) and y.dtype == torch.long
+    assert (
+        x.shape == (64,)
+        and y.dtype == torch.long
+        and x.dtype == (torch.long if name == "chars" else torch.float32)
+    )
 
 
 @pytest.mark.parametrize("name", options("optimizer"))
@@ -104,12 +111,27 @@ def test_every_callbacks_option_instantiates(compose, name):
         assert instantiate(node) is not None
 
 
-def test_loss_and_metrics_instantiate(compose):
-    cfg = compose()
-    loss = instantiate(cfg.loss)
-    assert float(loss(torch.zeros(2, 10), torch.tensor([1, 2]))) > 0
-    assert set(cfg.metrics) == {"accuracy"}
-    instantiate(cfg.metrics.accuracy)
+@pytest.mark.parametrize("name", options("loss"))
+def test_every_loss_option_instantiates(compose, name):
+    loss = instantiate(compose([f"loss={name}"]).loss)
+    logits, target = (
+        (torch.zeros(2, 5, 10), torch.ones(2, 5).long())
+        if name == "lm"
+        else (torch.zeros(2, 10), torch.tensor([1, 2]))
+    )
+    assert float(loss(logits, target)) > 0
+
+
+@pytest.mark.parametrize("name", options("metrics"))
+def test_every_metrics_option_instantiates(compose, name):
+    for node in compose([f"metrics={name}"]).metrics.values():
+        instantiate(node)
+
+
+def test_gpt_experiment_composes_model_data_loss_and_pipeline(compose):
+    cfg = compose(["experiment=gpt_pipeline"])
+    assert cfg.model._target_ == "framework.models.GPT" and cfg.loss._target_ == "framework.models.LMLoss"
+    assert cfg.strategy.pipeline.stages == 2 and dict(cfg.metrics) == {}
 
 
 def test_typo_in_a_schema_key_fails_at_composition(compose):

@@ -39,7 +39,21 @@ def _from_file(name: str) -> Strategy:
 
 
 def test_every_strategy_file_is_covered():
-    assert set(EXPECTED) <= set(STRATEGY_FILES)
+    assert set(EXPECTED) | {"pipeline"} == set(STRATEGY_FILES)
+
+
+def test_pipeline_file_to_deepspeed_config():
+    strategy = _from_file("pipeline")
+    assert strategy.uses_pipeline and strategy.pipeline.stages == 2
+    ds = deepspeed_config(strategy, global_batch_size=32, world_size=2)  # 2 stages x 1 data-parallel rank
+    assert (
+        ds["train_batch_size"],
+        ds["train_micro_batch_size_per_gpu"],
+        ds["gradient_accumulation_steps"],
+    ) == (32, 8, 4)
+    assert ds["zero_optimization"]["stage"] == 0
+    ds = deepspeed_config(strategy, global_batch_size=32, world_size=4)  # 2 stages x 2 data-parallel ranks
+    assert ds["train_micro_batch_size_per_gpu"] == 4
 
 
 @pytest.mark.parametrize("name", [n for n in STRATEGY_FILES if n in EXPECTED])

@@ -1,0 +1,135 @@
+"""A small decoder-only transformer (GPT) that splits into pipeline stages.
+
+The model is a straight sequence of layers — token embedding, position embedding, blocks,
+final norm, output head tied to the token embedding — so `pipeline_layers()` can hand the
+same layers to DeepSpeed's PipelineModule, with the embedding/head tie kept across stages.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class TokenEmbedding(nn.Embedding):
+    """Token ids -> vectors; also the output head (`logits`), sharing its weight."""
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Project hidden states onto the vocabulary with the embedding matrix."""
+        return F.linear(x, self.weight)
+
+
+def _tied_head(module: TokenEmbedding, x: torch.Tensor) -> torch.Tensor:
+    return module.logits(x)
+
+
+class PositionEmbedding(nn.Module):
+    """Adds learned position vectors (and dropout) to token vectors."""
+
+    def __init__(self, block_size: int, n_embd: int, dropout: float = 0.0):
+        super().__init__()
+        self.wpe = nn.Embedding(block_size, n_embd)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (B, T, C) token vectors."""
+        pos = torch.arange(x.shape[1], device=x.device)
+        return self.drop(x + self.wpe(pos))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention and an MLP, each residual."""
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0):
+        super().__init__()
+        if n_embd % n_head:
+            raise ValueError(f"n_embd={n_embd} must be a multiple of n_head={n_head}")
+        self.n_head = n_head
+        self.ln_1 = nn.LayerNorm(n_embd)
+        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.proj = nn.Linear(n_embd, n_embd)
+        self.ln_2 = nn.LayerNorm(n_embd)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
+        self.proj.residual_projection = True  # type: ignore[assignment]
+        self.mlp[2].residual_projection = True  # type: ignore[assignment]
+        self.dropout = dropout
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (B, T, C) -> (B, T, C)."""
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        drop = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop)
+        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(b, t, c)))
+        return x + self.drop(self.mlp(self.ln_2(x)))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer over `vocab_size` tokens with context `block_size`."""
+
+    def __init__(
+        self,
+        vocab_size: int = 128,
+        block_size: int = 64,
+        n_layer: int = 4,
+        n_head: int = 4,
+        n_embd: int = 128,
+        dropout: float = 0.0,
+    ):
+        super().__init__()
+        self.vocab_size, self.block_size, self.n_embd = vocab_size, block_size, n_embd
+        self.wte = TokenEmbedding(vocab_size, n_embd)
+        self.pos = PositionEmbedding(block_size, n_embd, dropout)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        # Only through apply(): under deepspeed.zero.Init the sub-modules' parameters are already
+        # partitioned here, and DeepSpeed gathers them for Module.apply (a plain loop over
+        # named_parameters() would write into empty shards).
+        self.residual_std = 0.02 / math.sqrt(2 * n_layer)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            # GPT-2's scaled init of the projections that write into the residual stream
+            std = self.residual_std if getattr(module, "residual_projection", False) else 0.02
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) -> next-token logits (B, T, vocab_size)."""
+        x = self.pos(self.wte(idx))
+        for block in self.blocks:
+            x = block(x)
+        return self.wte.logits(self.ln_f(x))
+
+    def pipeline_layers(self) -> list[Any]:
+        """The model as pipeline layers: the embedding appears twice as a tied layer (input
+        embedding on the first stage, output head on the last); the rest are this model's own
+        modules, so a pipeline starts from exactly these weights."""
+        from deepspeed.pipe import TiedLayerSpec
+
+        args = (self.vocab_size, self.n_embd)
+        return [
+            TiedLayerSpec("wte", TokenEmbedding, *args),
+            self.pos,
+            *self.blocks,
+            self.ln_f,
+            TiedLayerSpec("wte", TokenEmbedding, *args, forward_fn=_tied_head),
+        ]
+
+
+class LMLoss(nn.Module):
+    """Cross-entropy of next-token logits (B, T, V) against targets (B, T)."""
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean loss per token, in nats."""
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

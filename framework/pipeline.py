@@ -1,0 +1,81 @@
+"""Turning a model into DeepSpeed pipeline stages, and driving the PipelineEngine.
+
+A model is split from its own `pipeline_layers()` (a list of modules / `LayerSpec`s, tied
+layers allowed) or, for an `nn.Sequential`, from its children. Training is the iterator
+flavour driven by the framework: each `train_batch(data_iter)` pulls `accumulate_steps`
+micro-batches from the counted, prefetched iterator and makes one optimizer step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from framework.strategy import ConfigError, Strategy
+
+SCHEDULES = ("1F1B",)
+
+
+def pipeline_layers(model: nn.Module) -> list[Any]:
+    """The model's layers in order, or a clear error if it cannot be split."""
+    split = getattr(model, "pipeline_layers", None)
+    if callable(split):
+        layers = list(split())
+    elif isinstance(model, nn.Sequential):
+        layers = list(model.children())
+    else:
+        raise ConfigError(
+            f"{type(model).__name__} cannot be split into pipeline stages: give it a pipeline_layers() "
+            "method returning its layers in order, or build it as an nn.Sequential"
+        )
+    return layers
+
+
+def build_pipeline_module(
+    model: nn.Module, strategy: Strategy, loss_fn: Callable[..., torch.Tensor]
+) -> nn.Module:
+    """A DeepSpeed `PipelineModule` over the model's layers, starting from the model's weights
+    (tied layers included), partitioned as `strategy.pipeline` says."""
+    from deepspeed.pipe import PipelineModule
+
+    p = strategy.pipeline
+    if p.schedule not in SCHEDULES:
+        raise ConfigError(
+            f"strategy.pipeline.schedule={p.schedule!r} is not supported; use one of {list(SCHEDULES)}"
+        )
+    layers = pipeline_layers(model)
+    if len(layers) < p.stages:
+        raise ConfigError(
+            f"{type(model).__name__} has {len(layers)} pipeline layer(s): too few for strategy.pipeline.stages={p.stages}"
+        )
+    with contextlib.redirect_stdout(io.StringIO()):  # PipelineModule prints its partitioning
+        pipe = PipelineModule(
+            layers=layers,
+            num_stages=p.stages,
+            loss_fn=loss_fn,
+            partition_method=p.partition_method,
+            activation_checkpoint_interval=p.activation_checkpoint_interval,
+        )
+    for key, tied in getattr(pipe, "tied_modules", {}).items():
+        source = getattr(model, key, None)
+        if isinstance(source, nn.Module):
+            tied.load_state_dict(source.state_dict())
+    return pipe
+
+
+def train_batch(ds_engine: Any, batches: Iterator[Any]) -> torch.Tensor:
+    """One pipeline optimizer step over `accumulate_steps` micro-batches pulled from `batches`."""
+    return ds_engine.train_batch(data_iter=batches)
+
+
+def eval_batch(ds_engine: Any, batches: Iterator[Any]) -> torch.Tensor:
+    """Mean loss over `accumulate_steps` micro-batches, without gradients (on every stage)."""
+    ds_engine.total_loss = None  # a previous train_batch leaves it set; eval_batch would reuse its shape
+    return ds_engine.eval_batch(
+        data_iter=batches, return_logits=False, compute_loss=True, reduce_output="avg"
+    )

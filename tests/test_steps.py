@@ -1,0 +1,240 @@
+"""Step flavours: iterator-consuming steps, what the framework counts, and the pipeline engine."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from framework import Callback, ConfigError, Engine, Strategy, device, loops
+from framework.models import MLP
+
+from .conftest import FAST, ROOT, final_metrics, run_cmd, run_train
+
+
+@pytest.fixture(autouse=True)
+def _fresh_group():
+    yield
+    device.destroy_process_group()
+
+
+def dataset(n_batches: int, batch: int = 8) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(
+        torch.randn(n_batches * batch, 64, generator=g),
+        torch.randint(0, 10, (n_batches * batch,), generator=g),
+    )
+
+
+class Recorder(Callback):
+    """Per step call: (optimizer steps so far, batches fetched this epoch, on-device check)."""
+
+    def __init__(self):
+        self.calls: list[tuple[int, int]] = []
+
+    def on_step_end(self, state):
+        self.calls.append((state.global_step, state.batches_in_epoch))
+
+
+def engine_with(step, k_steps: int = 1, stage: int = 0, **kwargs) -> Engine:
+    torch.manual_seed(0)
+    strategy = Strategy(sharding={"stage": stage}, gradient_merge={"k_steps": k_steps})
+    return Engine(
+        MLP(hidden=[16]),
+        torch.nn.CrossEntropyLoss(),
+        functools.partial(torch.optim.SGD, lr=0.1),
+        strategy=strategy,
+        train_step=step,
+        **kwargs,
+    )
+
+
+def two_batch_step(engine, dataloader_iter):
+    (x1, y1), (x2, y2) = next(dataloader_iter), next(dataloader_iter)
+    assert x1.device == device.device()  # batches arrive on the device
+    return (engine.loss(engine.model(x1), y1) + engine.loss(engine.model(x2), y2)) / 2
+
+
+def test_two_batch_step_counts_calls_batches_and_steps():
+    rec = Recorder()
+    engine = engine_with(two_batch_step, callbacks=[rec])
+    engine.fit(dataset(20), epochs=1, batch_size=8)
+    st = engine.state
+    assert (st.step_calls, st.batches_fetched, st.global_step, st.samples_seen) == (10, 20, 10, 160)
+    assert rec.calls == [(i, 2 * i) for i in range(1, 11)]  # progress sees every fetched batch
+
+
+def test_max_steps_counts_optimizer_steps_for_an_iterator_step():
+    engine = engine_with(two_batch_step)
+    engine.fit(dataset(20), epochs=3, batch_size=8, max_steps=7)
+    assert (engine.state.global_step, engine.state.batches_fetched) == (7, 14)
+    assert engine.state.stop_reason == "reached trainer.max_steps=7"
+
+
+def test_iterator_step_with_accumulation_steps_at_the_boundaries():
+    rec = Recorder()
+    engine = engine_with(two_batch_step, k_steps=2, callbacks=[rec])
+    engine.fit(
+        dataset(16, batch=4), epochs=1, batch_size=8
+    )  # micro-batch 4, 2 micro-steps per optimizer step
+    assert [steps for steps, _ in rec.calls] == [0, 1, 1, 2, 2, 3, 3, 4]
+    assert engine.state.batches_fetched == 16
+
+
+def test_stop_iteration_inside_a_step_ends_the_epoch_cleanly():
+    def three_batch_step(engine, dataloader_iter):
+        batches = [next(dataloader_iter) for _ in range(3)]
+        return sum(engine.loss(engine.model(x), y) for x, y in batches) / 3
+
+    engine = engine_with(three_batch_step)
+    history = engine.fit(dataset(10), epochs=2, batch_size=8)
+    st = engine.state
+    assert st.step_calls == 3 and st.global_step == 6  # 3 full calls per epoch, the 4th ran out
+    assert st.batches_fetched == 20 and len(history["loss"]) == 2
+
+
+def test_calls_that_pull_no_batch_are_fine_and_cannot_loop_forever(monkeypatch):
+    def every_third_call(engine, dataloader_iter, _count=[0]):  # noqa: B006 - a call counter
+        _count[0] += 1
+        if _count[0] % 3:
+            return None
+        x, y = next(dataloader_iter)
+        return engine.loss(engine.model(x), y)
+
+    engine = engine_with(every_third_call)
+    engine.fit(dataset(5), epochs=1, batch_size=8)
+    assert engine.state.batches_fetched == 5 and engine.state.global_step == 5
+
+    monkeypatch.setattr(loops, "MAX_IDLE_CALLS", 50)
+    with pytest.raises(RuntimeError, match="pulled no batch in 50 consecutive calls"):
+        engine_with(lambda engine, dataloader_iter: None).fit(dataset(5), epochs=1, batch_size=8)
+
+
+def test_manual_step_returns_metrics_and_drives_the_optimizer():
+    def manual(engine, dataloader_iter):
+        for _ in range(2):
+            x, y = next(dataloader_iter)
+            engine.backward(engine.loss(engine.model(x), y) / 2)
+        engine.step()
+        return {"loss": 1.5}
+
+    engine = engine_with(manual)
+    history = engine.fit(dataset(8), epochs=1, batch_size=8)
+    assert engine.state.global_step == 4 and history["loss"] == [1.5]
+
+
+def test_model_methods_are_steps_too():
+    class Model(MLP):
+        def training_step(self, dataloader_iter):
+            x, y = next(dataloader_iter)
+            return torch.nn.functional.cross_entropy(self(x), y)
+
+        def validation_step(self, dataloader_iter):
+            x, y = next(dataloader_iter)
+            return {"loss": float(torch.nn.functional.cross_entropy(self(x), y))}
+
+    engine = Engine(Model(hidden=[16]), optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    history = engine.fit(dataset(8), valid_data=dataset(4), epochs=1, batch_size=8)
+    assert engine.state.batches_fetched == 8 and history["val_loss"][0] > 0
+
+
+@pytest.mark.parametrize("flavour, expect", [("two_batch", (11, 22, 44)), ("tbptt", (None, 20, 80))])
+def test_iterator_step_example(tmp_path, flavour, expect):
+    out = tmp_path / "result.json"
+    extra = ["--max-steps", "20"] if flavour == "tbptt" else []
+    run = run_cmd(
+        [sys.executable, str(ROOT / "examples" / "iterator_step.py"), flavour, "--out", str(out), *extra]
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    calls, steps, fetched = expect
+    assert (result["optimizer_steps"], result["batches_fetched"]) == (steps, fetched)
+    if calls is not None:
+        assert result["step_calls"] == calls
+    assert result["loss"][-1] < result["loss"][0] or flavour == "tbptt" and result["loss"][0] < 4.0
+
+
+def test_iterator_step_from_config_counts_fetched_batches(tmp_path):
+    step = "step={_target_:examples.iterator_step.two_batch_step,_partial_:true}"
+    run = run_train([step, *FAST, "trainer.log_every=2"], tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["kind"] == "step"]
+    assert [r["batches"] for r in steps[:3]] == [4, 8, 12]  # 2 batches per optimizer step
+    assert final_metrics(tmp_path)["batches"] == 22 and final_metrics(tmp_path)["step"] == 11
+
+
+# ---------------------------------------------------------------- pipeline
+
+
+@pytest.mark.slow
+def test_gpt_pipeline_learns_and_matches_the_unpipelined_run(tmp_path):
+    """2 pipeline stages: validation loss falls >= 1 nat; the curve equals ZeRO-3 without a pipeline."""
+    common = [
+        "experiment=gpt_pipeline",
+        "trainer.max_steps=30",
+        "trainer.log_every=5",
+        "trainer.steps_per_epoch=30",
+    ]
+    pipe = run_train(common, tmp_path / "pipe", nproc=2, timeout=300)
+    assert pipe.returncode == 0, pipe.stderr[-3000:]
+    flat = run_train(
+        [*common, "strategy=zero3", "trainer.valid_at_start=false"], tmp_path / "flat", timeout=300
+    )
+    assert flat.returncode == 0, flat.stderr[-3000:]
+    final = final_metrics(tmp_path / "pipe")
+    assert final["start_val_loss"] - final["val_loss"] >= 1.0
+    assert final["batches"] == 30 * 4  # 4 micro-batches per optimizer step, counted
+
+    def losses(run_dir):
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        return [r["loss"] for r in map(json.loads, lines) if r["kind"] == "step"]
+
+    # Same weights, data and updates; only the float summation order differs (Adam amplifies it a little).
+    assert losses(tmp_path / "pipe") == pytest.approx(losses(tmp_path / "flat"), rel=1e-2)
+    assert final["val_loss"] == pytest.approx(final_metrics(tmp_path / "flat")["val_loss"], rel=1e-2)
+
+
+def _fails_with(run, *words, launcher_traceback=False):
+    """Non-zero exit and our message; torchrun adds a traceback of its own when a worker fails."""
+    assert run.returncode != 0
+    text = run.stdout + run.stderr
+    for word in words:
+        assert word in text, text[-3000:]
+    if not launcher_traceback:
+        assert "Traceback" not in text, text[-3000:]
+
+
+def test_pipeline_with_zero3_is_a_clear_error(tmp_path):
+    run = run_train(["experiment=gpt_pipeline", "strategy.sharding.stage=3"], tmp_path)
+    _fails_with(run, "cannot run with ZeRO stage 3", "0 and 1")
+
+
+def test_pipeline_stages_must_divide_processes(tmp_path):
+    _fails_with(run_train(["experiment=gpt_pipeline"], tmp_path), "stages=2 does not divide the 1 processes")
+
+
+def test_unknown_pipeline_schedule(tmp_path):
+    run = run_train(["experiment=gpt_pipeline", "strategy.pipeline.schedule=gpipe"], tmp_path, nproc=2)
+    _fails_with(run, "schedule='gpipe' is not supported", "1F1B", launcher_traceback=True)
+
+
+def test_model_that_cannot_be_split(tmp_path):
+    run = run_train(["strategy=pipeline", "model=cnn", "trainer.batch_size=32", *FAST], tmp_path, nproc=2)
+    _fails_with(run, "CNN cannot be split into pipeline stages", "pipeline_layers()", launcher_traceback=True)
+
+
+def test_custom_step_with_pipeline_is_refused():
+    with pytest.raises(
+        ConfigError, match="custom training/validation steps cannot run with pipeline parallelism"
+    ):
+        Engine(
+            MLP(),
+            torch.nn.CrossEntropyLoss(),
+            strategy=Strategy(pipeline={"stages": 2}),
+            train_step=two_batch_step,
+        )
