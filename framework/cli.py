@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import os
 import random
 import sys
@@ -23,13 +24,15 @@ import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from framework import device as dev
 from framework.callbacks import Callback, TrainState
 from framework.config import GROUPS, check_schema, register_configs
 from framework.engine import Engine, model_init_context
+from framework.launch import WorkerFailed, check_devices, join_slurm_tasks, spawn
 from framework.loggers import MetricsFile
-from framework.strategy import ConfigError, Strategy, deepspeed_config
+from framework.strategy import ConfigError, Strategy, batch_layout, deepspeed_config
 
 register_configs()
 
@@ -56,11 +59,14 @@ def prepare_argv(argv: list[str] | None = None) -> None:
     """Rewrite `sys.argv` before Hydra parses it.
 
     * `+group=x` -> `group=x` for our groups (both forms work).
+    * `--local_rank=N` from the `deepspeed` launcher is dropped (LOCAL_RANK carries it).
     * On ranks > 0 of a job started by a launcher (torchrun, deepspeed, srun), Hydra must not
       create a second output dir or log file: rank 0's dir is shared with them after the
       process group forms.
     """
     argv = sys.argv if argv is None else argv
+    # The `deepspeed` launcher appends --local_rank=N (also in LOCAL_RANK); Hydra cannot parse it.
+    argv[1:] = [a for a in argv[1:] if not a.startswith(("--local_rank=", "--local-rank="))]
     argv[1:] = normalize_overrides(argv[1:])
     if dev.launched() and int(os.environ.get("RANK", "0")) > 0:
         argv.extend(["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout"])
@@ -89,25 +95,79 @@ def _is_multirun() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
+# Mistakes in a config or its inputs: reported in a line or two, without a traceback.
+USER_ERRORS = (ConfigError, InstantiationException, FileNotFoundError)
+
+
+def _verbose(cfg: DictConfig) -> bool:
+    return bool(cfg.trainer.verbose) or os.environ.get("HYDRA_FULL_ERROR") == "1"
+
+
 def run(cfg: DictConfig) -> float | None:
     """Run one job from a composed config; return the monitored value (for sweepers)."""
-    verbose = bool(cfg.trainer.verbose) or os.environ.get("HYDRA_FULL_ERROR") == "1"
+    verbose = _verbose(cfg)
     dev.quiet_deepspeed(verbose)
     try:
-        return train(cfg, hydra_output_dir())
-    except (ConfigError, InstantiationException, FileNotFoundError) as exc:
+        return launch_job(cfg, hydra_output_dir() or default_output_dir())
+    except USER_ERRORS as exc:
         if verbose:
             raise
-        message = _explain(exc)
+        return _fail(_explain(exc), show=dev.rank() == 0 or not isinstance(exc, ConfigError))
+    except WorkerFailed as exc:
+        return _fail(str(exc), show=not exc.printed)
+
+
+def _fail(message: str, show: bool) -> float:
+    """Say what failed (once) and end this job: exit 1; in a sweep, the job's objective is NaN,
+    the sweep goes on, and the sweep summary names the job and exits non-zero at the end."""
+    if show:
+        print(f"Error: {message}", file=sys.stderr)
+    if _is_multirun():
+        return math.nan
+    sys.exit(1)
+
+
+def default_output_dir() -> str:
+    """Where a run outside Hydra writes: outputs/DATE/TIME, like Hydra's default."""
+    import datetime
+
+    now = datetime.datetime.now()
+    return os.path.join("outputs", now.strftime("%Y-%m-%d"), now.strftime("%H-%M-%S"))
+
+
+def launch_job(cfg: DictConfig, output_dir: str) -> float | None:
+    """Run the job here, in N local workers, or as one rank of a launcher's group."""
+    join_slurm_tasks()
+    devices = int(cfg.trainer.devices)
+    if dev.launched() or devices == 1:
+        return train(cfg, output_dir)
+    check_devices(devices)
+    validate(cfg, world_size=devices)  # fail here, before starting workers
+    container = OmegaConf.to_container(cfg, resolve=True)  # workers have no Hydra state
+    return spawn(worker_main, (container, output_dir), devices, timeout_s=float(cfg.trainer.timeout_s))
+
+
+@record
+def worker_main(container: dict[str, Any], output_dir: str) -> float | None:
+    """One worker of a `trainer.devices=N` job (runs in a fresh process)."""
+    cfg = OmegaConf.create(container)
+    dev.quiet_deepspeed(_verbose(cfg))
+    try:
+        return train(cfg, output_dir)
+    except USER_ERRORS as exc:
+        if _verbose(cfg):
+            raise
         if dev.rank() == 0 or not isinstance(exc, ConfigError):
-            print(f"Error: {message}", file=sys.stderr)
-        if _is_multirun():
-            raise JobFailed(message) from None
+            print(f"Error: {_explain(exc)}", file=sys.stderr, flush=True)
         sys.exit(1)
 
 
-class JobFailed(RuntimeError):
-    """One job of a sweep failed for a reason already printed."""
+def validate(cfg: DictConfig, world_size: int) -> Strategy:
+    """Checks that need no process group: schema, strategy, batch split over `world_size`."""
+    check_schema(cfg)
+    strategy = Strategy.from_config(cfg.strategy)
+    batch_layout(strategy, int(cfg.trainer.batch_size), world_size)
+    return strategy
 
 
 def _explain(exc: BaseException) -> str:
@@ -199,6 +259,7 @@ def train(cfg: DictConfig, output_dir: str | None) -> float | None:
     t = cfg.trainer
     strategy = Strategy.from_config(cfg.strategy)
     with dev.process_group(timeout_s=t.timeout_s):
+        batch_layout(strategy, int(t.batch_size), dev.world_size())
         if dev.world_size() > 1 and dev.launched() and t.devices not in (1, dev.world_size()):
             raise ConfigError(
                 f"trainer.devices={t.devices} but the launcher started {dev.world_size()} processes; "

@@ -161,8 +161,8 @@ def destroy_process_group() -> None:
     """Tear down a group this module created (a 2-rank gloo exit without it can SIGABRT)."""
     global _we_initialized
     if _we_initialized and dist.is_initialized():
-        with contextlib.suppress(Exception):
-            dist.barrier()
+        # No barrier first: after a failure on one rank the others may sit in a collective, and a
+        # barrier here would keep this rank alive (and the job hung) until the timeout.
         dist.destroy_process_group()
         _forget_deepspeed_groups()
     _we_initialized = False

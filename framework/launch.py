@@ -1,0 +1,93 @@
+"""Starting a job's processes with well-known launchers only.
+
+* one process: the job runs in this process;
+* `trainer.devices=N` on one machine: N workers started by torch's elastic launcher
+  (`elastic_launch`, the engine behind torchrun), on a free port, each handed the resolved
+  config and the output dir; this process returns rank 0's result;
+* already launched (torchrun, the `deepspeed` launcher, Slurm through submitit): the process
+  joins the group it was given and nothing is spawned.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from framework import device as dev
+from framework.strategy import ConfigError
+
+
+class WorkerFailed(RuntimeError):
+    """A worker process of this job failed; the message names the rank and carries its traceback."""
+
+    def __init__(self, message: str, printed: bool = False):
+        super().__init__(message)
+        self.printed = printed  # the worker already printed a one-line reason
+
+
+def join_slurm_tasks() -> None:
+    """Inside a submitit/Slurm job with several tasks, export the rendezvous variables so the
+    tasks join one process group (one task per device, any number of nodes)."""
+    if dev.launched() or int(os.environ.get("SLURM_NTASKS", "1")) <= 1 or "SUBMITIT_FOLDER" not in os.environ:
+        return
+    import submitit
+
+    submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+
+
+def check_devices(devices: int) -> None:
+    """`trainer.devices` must fit on this machine."""
+    available = dev.local_device_count()
+    if devices < 1 or devices > available:
+        what = f"{available} GPU(s)" if dev.cuda_available() else f"{available} CPU core(s) and no GPU"
+        raise ConfigError(
+            f"trainer.devices={devices} but this machine has {what}; use trainer.devices<={available}, "
+            "or start processes on several machines with torchrun (README: Scaling out)"
+        )
+
+
+def spawn(entrypoint: Callable[..., Any], args: tuple[Any, ...], nproc: int, timeout_s: float = 300.0) -> Any:
+    """Run `entrypoint(*args)` in `nproc` local workers under torch's elastic launcher and return
+    rank 0's return value. A failing worker ends the job (the others are stopped) with a
+    `WorkerFailed` naming its rank."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    # The agent logs a failing worker's traceback itself; WorkerFailed carries it once instead.
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    port = dev.free_port()
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"hydraspeed-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{port}",
+        rdzv_configs={"timeout": int(timeout_s)},
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    try:
+        results = elastic_launch(config, entrypoint)(*args)
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        if failure.error_file_data:  # an exception: its traceback, as the worker recorded it
+            detail = failure.error_file_data.get("message", {})
+            trace = (
+                detail.get("extraInfo", {}).get("py_callstack", "")
+                if isinstance(detail, dict)
+                else str(detail)
+            )
+            raise WorkerFailed(
+                f"worker rank {rank} failed (exit code {failure.exitcode}):\n{trace}".rstrip()
+            ) from None
+        raise WorkerFailed(
+            f"worker rank {rank} failed (exit code {failure.exitcode})", printed=True
+        ) from None
+    return results[0]
