@@ -53,6 +53,11 @@ class TrainState:
     batches_fetched: int = 0  # batches fetched over the whole run
     samples_seen: int = 0  # samples (global, all ranks) over the whole run
     global_batch_size: int = 0
+    epoch_loss_sum: float = 0.0  # this rank's step losses so far this epoch (for the epoch mean)
+    epoch_loss_count: int = 0
+    window_loss_sum: float = 0.0  # ... since the last logged step
+    window_loss_count: int = 0
+    loader_state: dict[str, Any] | None = None  # the loader's position after the last consumed batch
     logs: dict[str, Any] = field(default_factory=dict)
     log_now: bool = False  # this step's logs are a logging point (loss reduced over ranks)
     history: dict[str, list[Any]] = field(default_factory=dict)

@@ -16,6 +16,7 @@ import math
 import os
 import random
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from framework import device as dev
 from framework.callbacks import Callback, TrainState
+from framework.checkpoint import install_preemption_handler
 from framework.config import GROUPS, check_schema, register_configs
 from framework.engine import Engine, model_init_context
 from framework.launch import WorkerFailed, check_devices, join_slurm_tasks, spawn
@@ -298,6 +300,10 @@ def train(cfg: DictConfig, output_dir: str | None) -> float | None:
             seed=t.seed,
             prefetch=cfg.data.prefetch,
         )
+        ckpt_dir = Path(t.checkpoint.dir) if t.checkpoint.dir else out / "checkpoints"
+        if t.checkpoint.enabled and threading.current_thread() is threading.main_thread():
+            install_preemption_handler()
+            engine.handle_preemption = True
         history = engine.fit(
             splits.train,
             splits.valid,
@@ -311,6 +317,14 @@ def train(cfg: DictConfig, output_dir: str | None) -> float | None:
             valid_batch_size=t.valid_batch_size,
             shuffle=cfg.data.shuffle,
             num_workers=cfg.data.num_workers,
+            save_dir=str(ckpt_dir) if t.checkpoint.enabled else None,
+            save_freq=t.checkpoint.every_n_steps,
+            keep_last_k=t.checkpoint.keep_last_k,
+            resume=t.resume,
         )
+        if main and engine.state.stop_reason.startswith("preempted"):
+            print(
+                f"{engine.state.stop_reason}; resume with trainer.resume=auto trainer.checkpoint.dir={ckpt_dir}"
+            )
         values = history.get(t.monitor)
         return float(values[-1]) if values else None

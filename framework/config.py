@@ -42,6 +42,16 @@ class DataConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """When and where checkpoints are written."""
+
+    enabled: bool = True
+    every_n_steps: int = 0  # optimizer steps between checkpoints; 0 = only when training ends
+    keep_last_k: int = 3  # complete checkpoints kept (older ones deleted)
+    dir: str | None = None  # default <output dir>/checkpoints; a stable path lets a re-submitted job find it
+
+
+@dataclass
 class TrainerConfig:
     """The training loop's knobs. `batch_size` is global: split over ranks and accumulation steps."""
 
@@ -58,6 +68,8 @@ class TrainerConfig:
     monitor: str = "val_loss"  # the value train.py returns (what sweepers optimise)
     verbose: bool = False  # show DeepSpeed's own logs and full tracebacks
     timeout_s: float = 300.0  # collective timeout: a dead rank fails the job instead of hanging it
+    resume: str | None = None  # auto (the newest complete checkpoint in checkpoint.dir, if any) | PATH
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 @dataclass

@@ -11,7 +11,6 @@ Here "static" means "prepared on DeepSpeed's engine" (and `torch.compile`d when
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
@@ -20,6 +19,7 @@ from torch.utils.data import DataLoader, RandomSampler
 
 from framework import data as data_lib
 from framework import device as dev
+from framework.checkpoint import full_state_dict, load_full_state_dict, load_optimizer_state
 from framework.engine import Engine
 from framework.strategy import ConfigError, Strategy
 
@@ -121,50 +121,6 @@ class DistModel:
             load_full_state_dict(self._engine, params)
         if opt:
             load_optimizer_state(self._engine, opt)
-
-
-def load_optimizer_state(engine: Engine, state: dict[str, Any]) -> None:
-    """Load this rank's optimizer state (what `optimizer.state_dict()` gave on this rank).
-
-    DeepSpeed's ZeRO / bf16 optimizers take one state dict per data-parallel rank and pick
-    their own; the fp32 master copy is rebuilt from the (already loaded) module weights."""
-    optimizer = engine.ds_engine.optimizer
-    params = list(inspect.signature(optimizer.load_state_dict).parameters)
-    if params and params[0] == "state_dict_list":
-        optimizer.load_state_dict([state] * engine.dp_size, load_from_fp32_weights=False)
-    else:
-        optimizer.load_state_dict(state)
-
-
-def full_state_dict(engine: Engine) -> dict[str, torch.Tensor]:
-    """The module's complete weights on every rank (ZeRO-3 partitions gathered), as CPU tensors."""
-    import deepspeed
-
-    module = engine.module
-    with deepspeed.zero.GatheredParameters(
-        list(module.parameters()), modifier_rank=None, enabled=_is_zero3(engine)
-    ):
-        return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
-
-
-def load_full_state_dict(engine: Engine, state: dict[str, torch.Tensor]) -> None:
-    """Load complete weights into the module (every rank passes the same dict) and refresh
-    DeepSpeed's fp32 master copy so the next optimizer step starts from them."""
-    import deepspeed
-
-    module = engine.module
-    with deepspeed.zero.GatheredParameters(
-        list(module.parameters()), modifier_rank=0, enabled=_is_zero3(engine)
-    ):
-        if not _is_zero3(engine) or dev.rank() == 0:
-            module.load_state_dict(state, strict=True)
-    optimizer: Any = engine.ds_engine.optimizer if engine.ds_engine is not None else None
-    if hasattr(optimizer, "refresh_fp32_params"):
-        optimizer.refresh_fp32_params()
-
-
-def _is_zero3(engine: Engine) -> bool:
-    return engine.strategy.sharding.stage == 3 and not engine.strategy.uses_pipeline
 
 
 def _global_batch_size(loader: Any, engine: Engine) -> int | None:

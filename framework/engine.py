@@ -180,6 +180,9 @@ class Engine:
         self._float_dtype = getattr(torch, compute_dtype_name(self.strategy))
         self._last_grad_norm: float | None = None
         self._eval_loaders: list[weakref.ref[data_lib.DeviceLoader]] = []
+        self.load_universal = False  # resuming a checkpoint written with another world size
+        self.handle_preemption = False  # SIGTERM -> checkpoint at the next step boundary (set by the CLI)
+        self.resumed_from: str | None = None
 
     # ------------------------------------------------------------------ setup
     @property
@@ -231,7 +234,12 @@ class Engine:
         self.layout = batch_layout(self.strategy, global_batch_size, self.world_size)
         numel, largest = param_counts(self.module)
         self.deepspeed_config = deepspeed_config(
-            self.strategy, global_batch_size, self.world_size, numel, largest
+            self.strategy,
+            global_batch_size,
+            self.world_size,
+            numel,
+            largest,
+            load_universal=self.load_universal,
         )
         self.module.to(dev.device())
         if self.strategy.compile:
@@ -308,6 +316,13 @@ class Engine:
             zero = sum((p * 0).sum() for p in self.module.parameters() if p.requires_grad)
             ds.backward(zero, scale_wrt_gas=False)
         ds.step()
+
+    def at_step_boundary(self) -> bool:
+        """True between optimizer steps (no gradient accumulation half done): a safe point to checkpoint."""
+        ds = self.ds_engine
+        if ds is None or self.strategy.uses_pipeline:
+            return True
+        return ds.micro_steps % ds.gradient_accumulation_steps() == 0
 
     def auto_step(self, loss: torch.Tensor) -> None:
         """Backward + step of one micro-batch; DeepSpeed applies the update at accumulation boundaries."""
@@ -406,16 +421,23 @@ class Engine:
         num_workers: int = 0,
         callbacks: Iterable[Callback] | None = None,
         valid_at_start: bool = False,
+        save_dir: str | None = None,
+        save_freq: int = 0,
+        keep_last_k: int | None = 3,
+        resume: str | None = None,
     ) -> dict[str, list[Any]]:
         """Train for `epochs` epochs (or until `max_steps` optimizer steps) and return the history:
         per-epoch lists of loss, lr, each metric and, when validating, val_loss and val_<metric>
         (with `valid_at_start`, also start_val_loss, ... measured before the first step).
 
-        `steps_per_epoch` caps optimizer steps per epoch; `log_freq` is in optimizer steps."""
+        `steps_per_epoch` caps optimizer steps per epoch; `log_freq` is in optimizer steps.
+        With `save_dir`, a checkpoint every `save_freq` optimizer steps (0: only at the end),
+        the newest `keep_last_k` kept; `resume` ("auto" or a checkpoint path) continues one."""
         self.callbacks.extend(callbacks or [])
         return loops.fit(
             self, train_data, valid_data, epochs, batch_size, steps_per_epoch, valid_freq, log_freq,
             max_steps, valid_batch_size, shuffle, collate_fn, num_workers, valid_at_start,
+            save_dir, save_freq, keep_last_k, resume,
         )  # fmt: skip
 
     def evaluate(
@@ -637,6 +659,42 @@ class Engine:
                     else (values[0] if values else None)
                 )
         return out
+
+    def save(self, path: str, training: bool = True) -> str:
+        """training=True: a full checkpoint (weights, optimizer, loop state) under the checkpoints
+        dir `path`, atomic, resumable with `load` or `fit(resume=...)`; training=False: the
+        consolidated fp32 weights in one file for inference (`.safetensors` or a torch state
+        dict), written by rank 0. Collective: call it on every rank. Returns what was written."""
+        from framework import checkpoint, export
+
+        if self.ds_engine is None:
+            raise ConfigError("nothing to save yet: prepare(mode=...) or fit() first")
+        if training:
+            return str(checkpoint.save(self, path))
+        state = {
+            k: v.float() if v.is_floating_point() else v for k, v in checkpoint.full_state_dict(self).items()
+        }
+        if dev.is_main_process():
+            export.save_weights(state, path)
+        return path
+
+    def load(self, path: str) -> None:
+        """Load what `save` wrote: a checkpoint (dir) restores weights, optimizer and loop state;
+        a weights file restores the weights."""
+        from pathlib import Path
+
+        from framework import checkpoint, export
+
+        if self.ds_engine is None:
+            self.prepare("train" if self.optimizer_spec is not None and self.loss is not None else "predict")
+        if Path(path).is_dir():
+            found = checkpoint.resolve(path, None)
+            if found is None:
+                raise ConfigError(f"no complete checkpoint in {path}")
+            checkpoint.load(self, found)
+            self.resumed_from = str(found)
+        else:
+            checkpoint.load_full_state_dict(self, export.load_weights(path))
 
     def cost(self, mode: str = "train", world_size: int | None = None) -> dict[str, Any]:
         """Estimated per-rank bytes of parameters, gradients and optimizer states under this

@@ -150,12 +150,25 @@ class ConsoleLogger(Callback):
 
 class MetricsFile(Callback):
     """One JSON object per logging step and per epoch in `metrics.jsonl` (flushed each line, so a
-    crash loses nothing that was logged). A resumed run appends; a new run starts the file."""
+    crash loses nothing that was logged). A run resumed from a checkpoint keeps the records up
+    to that checkpoint's step and continues the file, so it reads as one uninterrupted run."""
 
-    def __init__(self, path: str | os.PathLike, append: bool = False):
+    def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a" if append else "w", encoding="utf-8")  # noqa: SIM115 - closed on fit end
+        self._file: Any = None
+
+    def on_fit_start(self, state: TrainState) -> None:
+        """Open the file: fresh, or cut back to the resumed step."""
+        resumed = state.engine is not None and state.engine.resumed_from is not None
+        if resumed and self.path.exists():
+            kept = [
+                line
+                for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= state.global_step
+            ]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        self._file = open(self.path, "a" if resumed else "w", encoding="utf-8")  # noqa: SIM115 - closed on fit end
 
     def _write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record, default=float) + "\n")
@@ -189,7 +202,8 @@ class MetricsFile(Callback):
 
     def on_fit_end(self, state: TrainState) -> None:
         """Close the file."""
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
 
 class WandbLogger(Callback):

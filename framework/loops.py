@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from framework import checkpoint
 from framework import data as data_lib
 from framework import device as dev
 from framework import pipeline as pipeline_lib
@@ -41,8 +42,15 @@ def fit(
     collate_fn: Callable | None,
     num_workers: int,
     valid_at_start: bool = False,
+    save_dir: str | None = None,
+    save_freq: int = 0,
+    keep_last_k: int | None = 3,
+    resume: str | None = None,
 ) -> dict[str, list[Any]]:
-    """Train for `epochs` epochs or `max_steps` optimizer steps; return per-epoch history."""
+    """Train for `epochs` epochs or `max_steps` optimizer steps; return per-epoch history.
+
+    With `save_dir`, checkpoints every `save_freq` optimizer steps and when training ends;
+    `resume` ("auto" or a path) continues exactly where a checkpoint left off."""
     dev.init_process_group()
     layout = batch_layout(engine.strategy, batch_size, engine.world_size)
     loader = data_lib.train_loader(
@@ -60,10 +68,22 @@ def fit(
         batches_per_epoch = min(batches_per_epoch, steps_per_epoch * layout.accumulation_steps)
     total = epochs * max(1, batches_per_epoch // layout.accumulation_steps)
     engine.total_steps = min(total, max_steps) if max_steps else total
+    resume_from = checkpoint.resolve(resume, save_dir) if resume else None
+    if resume_from is not None and engine.ds_engine is None:
+        engine.load_universal = checkpoint.needs_universal(resume_from, engine)
     engine.prepare("train", batch_size)
     st = engine.state
     st.epochs, st.max_steps, st.global_batch_size = epochs, max_steps, batch_size
     st.batches_per_epoch, st.history, st.stop_training = batches_per_epoch, {}, False
+    if resume_from is not None:
+        checkpoint.load(engine, resume_from)
+        engine.resumed_from = str(resume_from)
+    if save_dir is not None:
+        manager = checkpoint.CheckpointManager(
+            save_dir, save_freq, keep_last_k, handle_preemption=engine.handle_preemption
+        )
+        manager.last_saved_step = st.global_step if resume_from is not None else -1
+        engine.callbacks.insert(0, manager)
     start = time.perf_counter()
     engine.fire(Event.FIT_START)
     if valid_data is not None and valid_at_start and st.global_step == 0:
@@ -73,9 +93,14 @@ def fit(
             st.history[f"start_{key}"] = [value]
         engine.fire(Event.VALIDATION_END)
     for epoch in range(st.epoch, epochs):
+        if st.stop_training or (st.max_steps is not None and st.global_step >= st.max_steps):
+            break
+        resuming = epoch == st.epoch and st.batches_in_epoch > 0  # a checkpoint taken mid-epoch
         st.epoch = epoch
         loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
-        logs = train_epoch(engine, loader, batches_per_epoch, log_freq)
+        if resuming:
+            _restore_position(loader, st)
+        logs = train_epoch(engine, loader, batches_per_epoch, log_freq, resuming)
         if valid_data is not None and (epoch + 1) % valid_freq == 0:
             val = engine.evaluate(
                 valid_data, batch_size=valid_batch_size or batch_size, collate_fn=collate_fn
@@ -95,27 +120,49 @@ def fit(
     return st.history
 
 
-def train_epoch(engine: Engine, loader: Any, batches_per_epoch: int, log_freq: int) -> dict[str, Any]:
-    """One epoch: call the step until the loader is exhausted (StopIteration) or training stops."""
+def _restore_position(loader: Any, st: Any) -> None:
+    """Put the loader where the checkpoint's step left it: its saved state (same world size), or
+    the same global sample skipped to (another world size)."""
+    if st.loader_state is not None:
+        loader.load_state_dict(st.loader_state)
+        return
+    skipped = st.batches_in_epoch
+    state = loader.state_dict()
+    state.update(
+        _sampler_iter_state={"samples_yielded": skipped * loader.batch_size},
+        _sampler_iter_yielded=skipped,
+        _num_yielded=skipped,
+    )
+    loader.load_state_dict(state)
+
+
+def train_epoch(
+    engine: Engine, loader: Any, batches_per_epoch: int, log_freq: int, resuming: bool = False
+) -> dict[str, Any]:
+    """One epoch: call the step until the loader is exhausted (StopIteration) or training stops.
+    `resuming` continues an epoch a checkpoint interrupted (its counters and metrics restored)."""
     st = engine.state
     engine.model.train()
-    engine.reset_metrics()
-    st.batches_in_epoch = st.step_calls = 0
+    if not resuming:
+        engine.reset_metrics()
+        st.batches_in_epoch = st.step_calls = 0
+        st.epoch_loss_sum, st.epoch_loss_count, st.window_loss_sum, st.window_loss_count = 0.0, 0, 0.0, 0
     engine.fire(Event.EPOCH_START)
 
     def on_fetch(batch: Any) -> None:
         st.batches_in_epoch += 1
         st.batches_fetched += 1
         st.samples_seen += data_lib.batch_size_of(batch) * engine.dp_size
+        st.loader_state = source.last_snapshot
 
-    source = Prefetcher(iter(loader), engine.transfer, depth=engine.prefetch)
-    batches = BatchIterator(source, on_fetch, limit=batches_per_epoch)
+    source = Prefetcher(iter(loader), engine.transfer, depth=engine.prefetch, snapshot=loader.state_dict)
+    batches = BatchIterator(source, on_fetch, limit=batches_per_epoch - st.batches_in_epoch)
     step = _train_step_caller(engine, batches)
     # A middle pipeline stage pulls no data, so every rank counts train_batch calls instead.
     calls_per_epoch = (
         batches_per_epoch // engine.strategy.accumulation_steps if engine.strategy.uses_pipeline else None
     )
-    epoch_loss, epoch_calls, window_loss, window_calls, idle_calls = 0.0, 0, 0.0, 0, 0
+    idle_calls = 0
     try:
         while not st.stop_training:
             if st.max_steps is not None and st.global_step >= st.max_steps:
@@ -130,8 +177,14 @@ def train_epoch(engine: Engine, loader: Any, batches_per_epoch: int, log_freq: i
                 break
             st.step_calls += 1
             if loss_value is not None:
-                epoch_loss, epoch_calls = epoch_loss + loss_value, epoch_calls + 1
-                window_loss, window_calls = window_loss + loss_value, window_calls + 1
+                st.epoch_loss_sum, st.epoch_loss_count = (
+                    st.epoch_loss_sum + loss_value,
+                    st.epoch_loss_count + 1,
+                )
+                st.window_loss_sum, st.window_loss_count = (
+                    st.window_loss_sum + loss_value,
+                    st.window_loss_count + 1,
+                )
             idle_calls = (
                 idle_calls + 1 if batches.fetched == fetched_before and calls_per_epoch is None else 0
             )
@@ -141,12 +194,15 @@ def train_epoch(engine: Engine, loader: Any, batches_per_epoch: int, log_freq: i
             st.log_now = st.global_step > steps_before and st.global_step % max(1, log_freq) == 0
             st.logs = {"batches": st.batches_in_epoch, "lr": engine.lr}
             if st.log_now:
-                st.logs["loss"] = dev.all_reduce_mean(window_loss / max(window_calls, 1))
-                window_loss, window_calls = 0.0, 0
+                st.logs["loss"] = dev.all_reduce_mean(st.window_loss_sum / max(st.window_loss_count, 1))
+                st.window_loss_sum, st.window_loss_count = 0.0, 0
             engine.fire(Event.STEP_END)
     finally:
         source.close()
-    logs: dict[str, Any] = {"loss": dev.all_reduce_mean(epoch_loss / max(epoch_calls, 1)), "lr": engine.lr}
+    logs: dict[str, Any] = {
+        "loss": dev.all_reduce_mean(st.epoch_loss_sum / max(st.epoch_loss_count, 1)),
+        "lr": engine.lr,
+    }
     logs.update(engine.compute_metrics())
     return logs
 

@@ -293,10 +293,12 @@ def deepspeed_config(
     world_size: int,
     num_params: int = 0,
     largest_param: int = 0,
+    load_universal: bool = False,
 ) -> dict[str, Any]:
     """The DeepSpeed config dict for `strategy` at this global batch and world size.
 
-    Pure: same inputs, same dict. `num_params`/`largest_param` size the "auto" ZeRO settings.
+    Pure: same inputs, same dict. `num_params`/`largest_param` size the "auto" ZeRO settings;
+    `load_universal` reads a checkpoint converted for another world size.
     """
     layout = batch_layout(strategy, global_batch_size, world_size)
     s = strategy.sharding
@@ -345,6 +347,8 @@ def deepspeed_config(
             "cpu_checkpointing": False,  # crashes on CPU (measured)
             "contiguous_memory_optimization": False,
         }
+    if load_universal:
+        config["checkpoint"] = {"load_universal": True}
     optimizer = strategy.deepspeed.get("optimizer")
     if isinstance(optimizer, dict) and str(optimizer.get("type", "")).lower() in ("adam", "adamw"):
         # Without torch_adam DeepSpeed builds FusedAdam, a ~49 s JIT build.

@@ -14,3 +14,15 @@ class RaiseOnRank(Callback):
     def on_step_end(self, state):
         if device.rank() == self.rank and state.global_step >= self.step:
             raise RuntimeError(f"injected failure on rank {self.rank} at step {state.global_step}")
+
+
+class SlowDown(Callback):
+    """Sleep after every step (numerics untouched): gives a test time to kill a run mid-way."""
+
+    def __init__(self, seconds: float = 0.05):
+        self.seconds = seconds
+
+    def on_step_end(self, state):
+        import time
+
+        time.sleep(self.seconds)

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from framework import Engine, Strategy, device
-from framework.dist_model import full_state_dict
+from framework.checkpoint import full_state_dict
 from framework.models import MLP
 
 out_dir = Path(sys.argv[1])
