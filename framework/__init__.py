@@ -9,7 +9,14 @@ from framework import device as _device
 
 _device.configure_environment()  # before DeepSpeed picks its accelerator
 
-from framework.callbacks import Callback, EarlyStopping, Event, LearningRateMonitor, TrainState  # noqa: E402
+from framework.callbacks import (  # noqa: E402
+    Callback,
+    EarlyStopping,
+    Event,
+    KeepBest,
+    LearningRateMonitor,
+    TrainState,
+)
 from framework.dist_model import DistModel, shard_dataloader, to_static  # noqa: E402
 from framework.engine import Engine  # noqa: E402
 from framework.strategy import ConfigError, Strategy  # noqa: E402
@@ -21,6 +28,7 @@ __all__ = [
     "EarlyStopping",
     "Engine",
     "Event",
+    "KeepBest",
     "LearningRateMonitor",
     "Strategy",
     "TrainState",

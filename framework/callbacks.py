@@ -134,3 +134,35 @@ class LearningRateMonitor(Callback):
         """Append the current learning rate."""
         if "lr" in state.logs:
             state.history.setdefault("lr_step", []).append(state.logs["lr"])
+
+
+class KeepBest(Callback):
+    """Keep the weights of the best validation so far, by `monitor`, as consolidated fp32
+    weights in `output_dir/filename` (every rank takes part: ZeRO-3 weights are gathered)."""
+
+    def __init__(
+        self,
+        monitor: str = "val_loss",
+        mode: str = "min",
+        filename: str = "best.safetensors",
+        output_dir: str | None = None,
+    ):
+        if mode not in ("min", "max"):
+            raise ValueError(f"KeepBest mode must be 'min' or 'max', got {mode!r}")
+        self.monitor, self.mode, self.filename, self.output_dir = monitor, mode, filename, output_dir
+        self.best: float | None = None
+        self.path: str | None = None
+
+    def on_validation_end(self, state: TrainState) -> None:
+        """Save when the monitored value improved."""
+        value = state.logs.get(self.monitor)
+        if value is None or state.engine is None or not math.isfinite(value):
+            return
+        if self.best is not None and (value >= self.best if self.mode == "min" else value <= self.best):
+            return
+        import os
+
+        self.best = float(value)
+        self.path = os.path.join(self.output_dir or ".", self.filename)
+        state.engine.save(self.path, training=False)
+        state.history.setdefault(f"best_{self.monitor}", []).append(self.best)

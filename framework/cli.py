@@ -15,8 +15,10 @@ import json
 import math
 import os
 import random
+import re
 import sys
 import threading
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +32,11 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from framework import device as dev
 from framework.callbacks import Callback, TrainState
 from framework.checkpoint import install_preemption_handler
-from framework.config import GROUPS, check_schema, register_configs
+from framework.config import GROUPS, check_group_choice, check_override, check_schema, register_configs
 from framework.engine import Engine, model_init_context
 from framework.launch import WorkerFailed, check_devices, join_slurm_tasks, spawn
 from framework.loggers import MetricsFile
+from framework.loops import NonFiniteLoss
 from framework.strategy import ConfigError, Strategy, batch_layout, deepspeed_config
 
 register_configs()
@@ -62,6 +65,7 @@ def prepare_argv(argv: list[str] | None = None) -> None:
 
     * `+group=x` -> `group=x` for our groups (both forms work).
     * `--local_rank=N` from the `deepspeed` launcher is dropped (LOCAL_RANK carries it).
+    * overrides of typed keys are checked first, so a typo names the nearest key.
     * On ranks > 0 of a job started by a launcher (torchrun, deepspeed, srun), Hydra must not
       create a second output dir or log file: rank 0's dir is shared with them after the
       process group forms.
@@ -70,6 +74,18 @@ def prepare_argv(argv: list[str] | None = None) -> None:
     # The `deepspeed` launcher appends --local_rank=N (also in LOCAL_RANK); Hydra cannot parse it.
     argv[1:] = [a for a in argv[1:] if not a.startswith(("--local_rank=", "--local-rank="))]
     argv[1:] = normalize_overrides(argv[1:])
+    conf_dir = Path(argv[0]).resolve().parent / "conf"
+    try:
+        for item in argv[1:]:
+            if not item.startswith("-"):
+                check_override(item)
+                check_group_choice(item, conf_dir)
+    except ConfigError as exc:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"Error: {exc}", file=sys.stderr)
+        sys.exit(1)
     if dev.launched() and int(os.environ.get("RANK", "0")) > 0:
         argv.extend(["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout"])
 
@@ -98,7 +114,7 @@ def _is_multirun() -> bool:
 
 
 # Mistakes in a config or its inputs: reported in a line or two, without a traceback.
-USER_ERRORS = (ConfigError, InstantiationException, FileNotFoundError)
+USER_ERRORS = (ConfigError, InstantiationException, FileNotFoundError, NonFiniteLoss)
 
 
 def _verbose(cfg: DictConfig) -> bool:
@@ -113,7 +129,7 @@ def run(cfg: DictConfig) -> float | None:
         return launch_job(cfg, hydra_output_dir() or default_output_dir())
     except USER_ERRORS as exc:
         if verbose:
-            raise
+            traceback.print_exc()
         return _fail(_explain(exc), show=dev.rank() == 0 or not isinstance(exc, ConfigError))
     except WorkerFailed as exc:
         return _fail(str(exc), show=not exc.printed)
@@ -141,24 +157,27 @@ def launch_job(cfg: DictConfig, output_dir: str) -> float | None:
     """Run the job here, in N local workers, or as one rank of a launcher's group."""
     join_slurm_tasks()
     devices = int(cfg.trainer.devices)
+    context = sweep_context()
     if dev.launched() or devices == 1:
-        return train(cfg, output_dir)
+        return train(cfg, output_dir, context)
     check_devices(devices)
     validate(cfg, world_size=devices)  # fail here, before starting workers
     container = OmegaConf.to_container(cfg, resolve=True)  # workers have no Hydra state
-    return spawn(worker_main, (container, output_dir), devices, timeout_s=float(cfg.trainer.timeout_s))
+    return spawn(
+        worker_main, (container, output_dir, context), devices, timeout_s=float(cfg.trainer.timeout_s)
+    )
 
 
 @record
-def worker_main(container: dict[str, Any], output_dir: str) -> float | None:
+def worker_main(container: dict[str, Any], output_dir: str, context: dict[str, Any]) -> float | None:
     """One worker of a `trainer.devices=N` job (runs in a fresh process)."""
     cfg = OmegaConf.create(container)
     dev.quiet_deepspeed(_verbose(cfg))
     try:
-        return train(cfg, output_dir)
+        return train(cfg, output_dir, context)
     except USER_ERRORS as exc:
         if _verbose(cfg):
-            raise
+            traceback.print_exc()
         if dev.rank() == 0 or not isinstance(exc, ConfigError):
             print(f"Error: {_explain(exc)}", file=sys.stderr, flush=True)
         sys.exit(1)
@@ -173,9 +192,26 @@ def validate(cfg: DictConfig, world_size: int) -> Strategy:
 
 
 def _explain(exc: BaseException) -> str:
+    """One to three lines: what is wrong and, where we can tell, what to write instead."""
     if isinstance(exc, InstantiationException):
         text = str(exc).strip()
-        return text.replace("\n", " | ")
+        located = re.search(r"Error locating target '([^']+)'", text)
+        full_key = re.search(r"full_key: (\S+)", text)
+        where = f"{full_key.group(1)}._target_" if full_key else "_target_"
+        if located:
+            root = exc
+            while root.__cause__ is not None:
+                root = root.__cause__  # type: ignore[assignment]
+            reason = str(root).splitlines()[0] if root is not exc else ""
+            missing = re.search(r"No module named '[^']+'", str(exc.__cause__))
+            reason = missing.group(0) if missing else reason
+            return f"{where}={located.group(1)} cannot be imported: {reason}; check the module path and name"
+        cause = exc.__cause__
+        if isinstance(cause, (FileNotFoundError, ConfigError)):
+            return f"{cause} (in {full_key.group(1) if full_key else 'the config'})"
+        first = text.splitlines()[0] if text else type(exc).__name__
+        detail = f": {type(cause).__name__}: {cause}" if cause is not None else ""
+        return f"{first}{detail}"
     return str(exc)
 
 
@@ -199,20 +235,28 @@ class RunFiles(Callback):
             json.dump(final, f, indent=2, default=float)
 
 
-def _instantiate_logger(node: DictConfig, output_dir: Path, cfg: DictConfig) -> Any:
-    """Loggers that take `output_dir` / `config` get this run's."""
+def instantiate_with_context(node: DictConfig, context: dict[str, Any]) -> Any:
+    """Instantiate a logger or callback, giving it whichever of this run's `context` entries
+    (output_dir, run_config, group, name) its signature asks for and its config leaves unset."""
     from hydra.utils import get_method
 
-    extra: dict[str, Any] = {}
     try:
         params = inspect.signature(get_method(node._target_)).parameters
     except Exception:
         params = {}  # type: ignore[assignment]
-    if "output_dir" in params and node.get("output_dir") is None:
-        extra["output_dir"] = str(output_dir)
-    if "config" in params and node.get("config") is None:
-        extra["config"] = OmegaConf.to_container(cfg, resolve=True)
-    return instantiate(node, **extra)
+    extra = {k: v for k, v in context.items() if k in params and node.get(k) is None and v is not None}
+    # Passed at call time: Hydra would otherwise try to instantiate the _target_s inside run_config.
+    return instantiate(node, _partial_=True)(**extra)
+
+
+def sweep_context() -> dict[str, Any]:
+    """In a Hydra multirun: the sweep (wandb group) and this job's overrides (run name)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not _is_multirun():
+        return {}
+    hc = HydraConfig.get()
+    return {"group": Path(str(hc.sweep.dir)).name, "name": str(hc.job.override_dirname) or f"job{hc.job.num}"}
 
 
 def _instantiate_optional(node: Any) -> Any:
@@ -255,7 +299,7 @@ def print_plan(model: Any, strategy: Strategy, cfg: DictConfig) -> None:
     print("DeepSpeed config: " + json.dumps(config))
 
 
-def train(cfg: DictConfig, output_dir: str | None) -> float | None:
+def train(cfg: DictConfig, output_dir: str | None, context: dict[str, Any] | None = None) -> float | None:
     """Train in this process (one rank of the job): build everything from `cfg`, fit, write files."""
     check_schema(cfg)
     t = cfg.trainer
@@ -269,6 +313,9 @@ def train(cfg: DictConfig, output_dir: str | None) -> float | None:
             )
         out = Path(dev.broadcast_object(output_dir or os.path.join("outputs", "run")))
         main = dev.is_main_process()
+        context = dict(
+            context or {}, output_dir=str(out), run_config=OmegaConf.to_container(cfg, resolve=True)
+        )
         if main:
             out.mkdir(parents=True, exist_ok=True)
             (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
@@ -284,10 +331,12 @@ def train(cfg: DictConfig, output_dir: str | None) -> float | None:
         callbacks: list[Callback] = []
         if main:
             loggers = [
-                _instantiate_logger(node, out, cfg) for node in cfg.logger.values() if node is not None
+                instantiate_with_context(node, context) for node in cfg.logger.values() if node is not None
             ]
             callbacks += loggers + [MetricsFile(out / "metrics.jsonl"), RunFiles(out, t.monitor)]
-        callbacks += [instantiate(node) for node in cfg.callbacks.values() if node is not None]
+        callbacks += [
+            instantiate_with_context(node, context) for node in cfg.callbacks.values() if node is not None
+        ]
         engine = Engine(
             model,
             loss=instantiate(cfg.loss),

@@ -129,3 +129,90 @@ def _dataclass_of(schema: type, f: Any) -> type | None:
     hints = typing.get_type_hints(schema)
     candidate = hints.get(f.name)
     return candidate if isinstance(candidate, type) and dataclasses.is_dataclass(candidate) else None
+
+
+def _schema_field(path: list[str]) -> tuple[Any, str] | None:
+    """(type, dotted prefix) of the schema field at `path`, or None when the path leaves the
+    typed part of the schema (an `Any` node such as model or optimizer)."""
+    import dataclasses
+    import typing
+
+    node: Any = TrainConfig
+    for depth, part in enumerate(path):
+        if not (isinstance(node, type) and dataclasses.is_dataclass(node)):
+            return None
+        hints = typing.get_type_hints(node)
+        if part not in hints:
+            import difflib
+
+            from framework.strategy import ConfigError
+
+            prefix = ".".join(path[:depth])
+            close = difflib.get_close_matches(part, list(hints), n=1)
+            full = f"{prefix}.{part}" if prefix else part
+            hint = f"did you mean '{prefix + '.' if prefix else ''}{close[0]}'? " if close else ""
+            raise ConfigError(f"unknown config key '{full}'; {hint}valid keys here: {', '.join(hints)}")
+        node = hints[part]
+    return node, ".".join(path)
+
+
+_SCALARS = {int: "an integer", float: "a number", bool: "true or false"}
+
+
+def check_override(item: str) -> None:
+    """Reject an override of the typed schema (trainer.*, data.*, strategy.*, ...) whose key does
+    not exist (naming the nearest) or whose value has the wrong type, before Hydra parses it."""
+    from framework.strategy import ConfigError
+
+    key, sep, value = item.lstrip("+~").partition("=")
+    if not sep or "/" in key or key.startswith("hydra") or key in GROUPS:
+        return
+    parts = key.split(".")
+    if parts[0] not in ("trainer", "data", "strategy") or len(parts) < 2:
+        return
+    found = _schema_field(parts)
+    if found is None:
+        return
+    field_type, full = found
+    optional = typing_optional(field_type)
+    scalar = optional or field_type
+    if scalar not in _SCALARS or any(ch in value for ch in ",()[]{}$*") or (optional and value == "null"):
+        return
+    try:
+        if scalar is bool:
+            if value.lower() not in ("true", "false"):
+                raise ValueError(value)
+        else:
+            scalar(value)
+    except ValueError:
+        raise ConfigError(f"{full}={value}: expected {_SCALARS[scalar]}") from None
+
+
+def typing_optional(tp: Any) -> Any:
+    """X for `X | None`, else None."""
+    import typing
+
+    args = typing.get_args(tp)
+    if len(args) == 2 and type(None) in args:
+        return next(a for a in args if a is not type(None))
+    return None
+
+
+def check_group_choice(item: str, conf_dir: Any) -> None:
+    """Reject `group=option` when the group has no such option, listing the options (sweeps
+    `a,b` and lists `[a,b]` are checked element by element)."""
+    from pathlib import Path
+
+    from framework.strategy import ConfigError
+
+    key, sep, value = item.lstrip("+").partition("=")
+    if not sep or key not in GROUPS or value in ("null", ""):
+        return
+    folder = Path(conf_dir) / key
+    if not folder.is_dir():
+        return
+    options = sorted(p.stem for p in folder.glob("*.yaml"))
+    for choice in value.strip("[]").split(","):
+        choice = choice.strip()
+        if choice and choice not in options and not any(ch in choice for ch in "()*$"):
+            raise ConfigError(f"unknown {key} '{choice}'; options: {', '.join(options)}")

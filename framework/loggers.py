@@ -208,19 +208,24 @@ class MetricsFile(Callback):
 
 class WandbLogger(Callback):
     """Log to Weights & Biases from rank 0. Without an API key it runs offline and says how to sync;
-    `WANDB_MODE=disabled` is respected; a server that cannot be reached never stops training."""
+    `WANDB_MODE=disabled` is respected; a server that cannot be reached never stops training.
+
+    The CLI fills `output_dir` (the run dir lives inside it), `run_config` (the resolved config)
+    and, in a sweep, `group` (the sweep) and `name` (the job's overrides)."""
 
     def __init__(
         self,
         project: str = "hydraspeed",
         output_dir: str | None = None,
-        config: dict[str, Any] | None = None,
+        run_config: dict[str, Any] | None = None,
         group: str | None = None,
         name: str | None = None,
         mode: str | None = None,
         tags: list[str] | None = None,
     ):
-        self.project, self.output_dir, self.config = project, output_dir, config
+        self.project, self.output_dir = project, output_dir
+        # plain JSON values: wandb's config sanitiser rejects some containers
+        self.config = json.loads(json.dumps(run_config, default=str)) if run_config is not None else None
         self.group, self.name, self.mode, self.tags = group, name, mode, tags
         self.run: Any = None
 
@@ -230,13 +235,9 @@ class WandbLogger(Callback):
             return mode
         if os.environ.get("WANDB_API_KEY"):
             return "online"
-        try:
-            import wandb
-
-            if wandb.api.api_key:
-                return "online"
-        except Exception:
-            pass
+        netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+        if netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore"):
+            return "online"  # `wandb login` stores the key there
         return "offline"
 
     def on_fit_start(self, state: TrainState) -> None:
@@ -244,6 +245,8 @@ class WandbLogger(Callback):
         import wandb
 
         mode: Any = self._resolve_mode()
+        if mode == "disabled":
+            return
         kwargs: dict[str, Any] = dict(
             project=self.project,
             dir=self.output_dir,
@@ -251,6 +254,9 @@ class WandbLogger(Callback):
             group=self.group,
             name=self.name,
             tags=self.tags,
+            settings=wandb.Settings(
+                silent=True, init_timeout=float(os.environ.get("WANDB_INIT_TIMEOUT", 30))
+            ),
         )
         try:
             self.run = wandb.init(mode=mode, **kwargs)
@@ -263,9 +269,10 @@ class WandbLogger(Callback):
             )
             mode = "offline"
             self.run = wandb.init(mode=mode, **kwargs)
-        if mode == "offline" and self.run is not None:
+        requested = self.mode or os.environ.get("WANDB_MODE")
+        if mode == "offline" and self.run is not None and requested != "offline":
             print(
-                f"wandb: offline run (no API key); upload later with: wandb sync {self.run.dir.rsplit('/files', 1)[0]}"
+                f"wandb: offline run (no API key); upload later with: wandb sync {Path(self.run.dir).parent}"
             )
 
     def _log(self, data: dict[str, Any], step: int) -> None:

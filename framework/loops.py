@@ -6,6 +6,7 @@ Each reads top to bottom: build this rank's loader, then call the step until the
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,10 @@ if TYPE_CHECKING:
 
 # A step that pulls no batch this many times in a row would never end an epoch.
 MAX_IDLE_CALLS = 10_000
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss became NaN or infinite: training stops at that step (the last checkpoint stays)."""
 
 
 def fit(
@@ -171,10 +176,20 @@ def train_epoch(
             if calls_per_epoch is not None and st.step_calls >= calls_per_epoch:
                 break
             fetched_before, steps_before = batches.fetched, engine.ds_engine.global_steps
+            skipped_before = engine.ds_engine.skipped_steps
             try:
                 loss_value = consume_result(engine, step())
             except StopIteration:
                 break
+            if loss_value is not None and not math.isfinite(loss_value):
+                if engine.ds_engine.skipped_steps > skipped_before:  # fp16 overflow: the scaler skipped it
+                    loss_value = None
+                else:
+                    raise NonFiniteLoss(
+                        f"loss became {loss_value} at step {engine.ds_engine.global_steps} (epoch {st.epoch + 1}, "
+                        f"batch {st.batches_in_epoch}); training stopped, last good checkpoint: "
+                        f"{st.last_checkpoint or 'none yet'}. Try a lower optimizer.lr or strategy.gradient_clip.max_norm=1.0"
+                    )
             st.step_calls += 1
             if loss_value is not None:
                 st.epoch_loss_sum, st.epoch_loss_count = (

@@ -41,16 +41,15 @@ def test_both_strategy_forms_select_zero3(compose, form):
 
 def test_prepare_argv_rewrites_only_our_groups():
     argv = [
-        "train.py",
+        str(CONF.parent / "train.py"),
         "+strategy=zero3",
-        "+trainer.extra=1",
         "++x=2",
         "-m",
-        "+experiment=foo",
+        "+experiment=digits_cnn",
         "+hydra/launcher=x",
     ]
     prepare_argv(argv)
-    assert argv[1:6] == ["strategy=zero3", "+trainer.extra=1", "++x=2", "-m", "experiment=foo"]
+    assert argv[1:] == ["strategy=zero3", "++x=2", "-m", "experiment=digits_cnn", "+hydra/launcher=x"]
     assert normalize_overrides(["+model=cnn"]) == ["model=cnn"]
 
 
@@ -69,8 +68,15 @@ def test_every_model_option_instantiates_and_runs(compose, name):
 
 
 @pytest.mark.parametrize("name", options("data"))
-def test_every_data_option_instantiates(compose, name):
-    splits = instantiate(compose([f"data={name}"]).data.dataset)
+def test_every_data_option_instantiates(compose, name, tmp_path):
+    overrides = [f"data={name}"]
+    if name == "csv":  # a file of the user's: 64 feature columns and a label
+        table = tmp_path / "table.csv"
+        header = ",".join([f"f{i}" for i in range(64)] + ["label"])
+        rows = [",".join(["0.5"] * 64 + [str(r % 10)]) for r in range(50)]
+        table.write_text("\n".join([header, *rows]) + "\n")
+        overrides.append(f"data.dataset.path={table}")
+    splits = instantiate(compose(overrides).data.dataset)
     assert isinstance(splits, Splits) and len(splits.train) > len(splits.valid) > 0
     x, y = splits.train[0]
     assert (

@@ -2,5 +2,6 @@
 
 from framework.datasets.chars import chars
 from framework.datasets.classification import Splits, digits, synthetic
+from framework.datasets.files import csv_classification
 
-__all__ = ["Splits", "chars", "digits", "synthetic"]
+__all__ = ["Splits", "chars", "csv_classification", "digits", "synthetic"]

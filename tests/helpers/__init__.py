@@ -26,3 +26,32 @@ class SlowDown(Callback):
         import time
 
         time.sleep(self.seconds)
+
+
+def read_wandb_run(path) -> list:
+    """The protobuf records of a wandb offline run file (`run-*.wandb`): a 7-byte header, then a
+    LevelDB-style log (32 KiB blocks; each chunk: crc32c, little-endian length, type)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data = open(path, "rb").read()
+    assert data[:4] == b":W&B", "not a wandb run file"
+    records, pending, pos, block = [], b"", 7, 32768
+    while pos + 7 <= len(data):
+        room = block - pos % block
+        if room < 7:  # block trailer padding
+            pos += room
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk = data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind == 0 and length == 0:
+            continue
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):  # FULL or LAST
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
