@@ -164,9 +164,10 @@ def test_auto_sizes_follow_the_documented_rule():
         "sub_group_size": 100_000,
     }
     big = auto_sizes(num_params=30_400_000, largest_param=4096 * 4096)
-    assert big["reduce_bucket_size"] == 4096 * 4096
+    assert big["reduce_bucket_size"] == big["allgather_bucket_size"] == 3_800_000  # P / 8 < L
+    assert big["prefetch_bucket_size"] == 4096 * 4096
     assert big["param_persistence_threshold"] == 40_960
-    assert big["max_live_parameters"] == 2 * 4096 * 4096
+    assert big["max_live_parameters"] == 2 * 4096 * 4096  # two of the largest layers at a time
     assert big["sub_group_size"] == 7_600_000
 
 
@@ -175,11 +176,11 @@ def test_auto_values_reach_the_zero3_config_and_user_values_win():
         Strategy(sharding={"stage": 3}), 8, 1, num_params=30_400_000, largest_param=4096 * 4096
     )
     z = ds["zero_optimization"]
-    assert z["reduce_bucket_size"] == 4096 * 4096 and z["stage3_prefetch_bucket_size"] == 4096 * 4096
+    assert z["reduce_bucket_size"] == 3_800_000 and z["stage3_prefetch_bucket_size"] == 4096 * 4096
     user = Strategy(sharding={"stage": 3, "reduce_bucket_size": 1234, "max_live_parameters": 999})
     z = deepspeed_config(user, 8, 1, num_params=30_400_000, largest_param=4096 * 4096)["zero_optimization"]
     assert z["reduce_bucket_size"] == 1234 and z["stage3_max_live_parameters"] == 999
-    assert z["allgather_bucket_size"] == 4096 * 4096
+    assert z["allgather_bucket_size"] == 3_800_000
 
 
 def test_config_is_pure():

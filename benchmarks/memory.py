@@ -1,0 +1,175 @@
+"""Memory per rank under ZeRO 0-3 (and ZeRO-3 + offload), ours next to raw DeepSpeed defaults.
+
+Two ranks, a model of a few tens of millions of parameters (the 30.4 M MLP 256-4096-4096-3072-10
+and a GPT of similar size). Each configuration runs in fresh processes, so each peak is its own:
+
+* peak RSS per rank, and peak minus the RSS after imports (the baseline);
+* model-state tensor bytes per rank (parameters + gradients + optimizer states and the buffers
+  DeepSpeed keeps), measured on the live process after a backward, before the step, next to
+  the ZeRO paper's formula for the dtypes used (`framework.cost`; target: within 10%);
+* median step time.
+
+"ours" = the framework's strategy adapter ("auto" sizes, zero.Init under ZeRO-3);
+"raw" = deepspeed.initialize with DeepSpeed's defaults for that stage.
+
+    python -m benchmarks.memory [--quick | --smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import median, print_table, quiet, write
+
+MODELS = {
+    "mlp30m": ("framework.models.MLP", {"in_features": 256, "hidden": [4096, 4096, 3072], "num_classes": 10}),
+    "gpt25m": (
+        "framework.models.GPT",
+        {"vocab_size": 128, "block_size": 64, "n_layer": 8, "n_head": 8, "n_embd": 512},
+    ),
+    "mlp_small": ("framework.models.MLP", {"in_features": 256, "hidden": [512, 512], "num_classes": 10}),
+}
+
+
+def _rss() -> int:
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+def _batch(model_name: str, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    if model_name.startswith("gpt"):
+        ids = torch.randint(0, 128, (micro, 65), generator=g)
+        return ids[:, :-1], ids[:, 1:]
+    return torch.randn(micro, 256, generator=g), torch.randint(0, 10, (micro,), generator=g)
+
+
+def worker(kind: str, stage: int, offload: bool, model_name: str, steps: int, batch: int) -> dict[str, Any]:
+    """One configuration on every rank; rank 0's numbers are returned."""
+    import deepspeed
+    from hydra.utils import get_class
+
+    from framework import Engine, Strategy, device
+    from framework.cost import live_tensor_bytes, model_state_bytes
+    from framework.engine import model_init_context, param_counts
+    from framework.models import LMLoss
+    from framework.strategy import deepspeed_config
+
+    quiet()
+    device.init_process_group()
+    baseline = _rss()
+    _, before = live_tensor_bytes()
+    target, kwargs = MODELS[model_name]
+    world = device.world_size()
+    strategy = Strategy(sharding={"stage": stage, "offload_optimizer": offload, "offload_params": offload})
+    loss_fn = LMLoss() if model_name.startswith("gpt") else torch.nn.CrossEntropyLoss()
+    torch.manual_seed(0)
+    if kind == "ours":
+        with model_init_context(strategy, deepspeed_config(strategy, batch, world)):
+            model = get_class(target)(**kwargs)
+        engine = Engine(model, loss_fn, functools.partial(torch.optim.Adam, lr=1e-4), strategy=strategy)
+        engine.prepare("train", batch)
+        ds = engine.ds_engine
+    else:
+        model = get_class(target)(**kwargs)
+        zero: dict[str, Any] = {"stage": stage}
+        config = {"train_batch_size": batch, "zero_optimization": zero, "zero_allow_untested_optimizer": True}
+        ds, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-4), config=config
+        )
+    x, y = _batch(model_name, batch // world)
+    times, state_bytes = [], 0
+    for i in range(steps):
+        start = time.perf_counter()
+        loss = loss_fn(ds(x).float(), y)
+        ds.backward(loss)
+        if i == steps - 1:  # optimizer states exist (after the first step) and gradients are held
+            state_bytes, _ = live_tensor_bytes(exclude=before)
+        ds.step()
+        times.append(time.perf_counter() - start)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    numel, largest = param_counts(model)
+    formula = model_state_bytes(strategy, numel, largest, world, 8)["total_bytes"]
+    device.destroy_process_group()
+    return {
+        "model": model_name,
+        "setup": f"{kind} ZeRO-{stage}{' + offload' if offload else ''}",
+        "params_M": numel / 1e6,
+        "peak_rss_MB": peak / 2**20,
+        "peak_minus_baseline_MB": (peak - baseline) / 2**20,
+        "state_MB": state_bytes / 2**20,
+        "formula_MB": formula / 2**20,
+        "state_over_formula": state_bytes / formula if kind == "ours" else float("nan"),
+        "step_ms": median(times[1:] or times) * 1000,
+    }
+
+
+def measure(
+    kind: str, stage: int, offload: bool, model_name: str, steps: int, nproc: int = 2
+) -> dict[str, Any]:
+    """A configuration in `nproc` fresh worker processes."""
+    from framework.launch import spawn
+
+    return spawn(worker, (kind, stage, offload, model_name, steps, 64), nproc)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    """Run the grid and write results/memory.json."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="the 30 M MLP, ZeRO-0/3 and offload")
+    parser.add_argument("--smoke", action="store_true", help="a small MLP: checks the script runs")
+    parser.add_argument("--out-dir", default=None)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        grid = [("ours", 0, False), ("ours", 3, False), ("raw", 3, False)]
+        models, steps = ["mlp_small"], 2
+    elif args.quick:
+        grid = [
+            ("ours", 0, False),
+            ("ours", 3, False),
+            ("ours", 3, True),
+            ("raw", 0, False),
+            ("raw", 3, False),
+        ]
+        models, steps = ["mlp30m"], 3
+    else:
+        grid = (
+            [("ours", s, False) for s in range(4)]
+            + [("ours", 3, True)]
+            + [("raw", s, False) for s in range(4)]
+        )
+        models, steps = ["mlp30m", "gpt25m"], 4
+    rows = [measure(kind, stage, offload, model, steps) for model in models for kind, stage, offload in grid]
+    for model in models:
+        zero0 = next(r for r in rows if r["model"] == model and r["setup"] == "ours ZeRO-0")
+        for row in rows:
+            if row["model"] == model:
+                row["peak_vs_ours_zero0"] = row["peak_minus_baseline_MB"] / zero0["peak_minus_baseline_MB"]
+    print_table("Memory per rank, 2 ranks (MB)", rows)
+    write(
+        "memory",
+        rows,
+        {
+            "ranks": 2,
+            "global_batch": 64,
+            "optimizer": "Adam (fp32)",
+            "targets": "ours ZeRO-3 peak_vs_ours_zero0 <= 0.75; "
+            "state_over_formula within 0.9-1.1; ours ZeRO-3 step_ms <= raw ZeRO-3 step_ms",
+        },
+        Path(args.out_dir) if args.out_dir else None,
+    )
+    return rows
+
+
+if __name__ == "__main__":
+    main()
