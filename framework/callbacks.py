@@ -58,6 +58,7 @@ class TrainState:
     window_loss_sum: float = 0.0  # ... since the last logged step
     window_loss_count: int = 0
     loader_state: dict[str, Any] | None = None  # the loader's position after the last consumed batch
+    records_written: int = 0  # metrics.jsonl lines so far (a resumed run keeps exactly these)
     logs: dict[str, Any] = field(default_factory=dict)
     log_now: bool = False  # this step's logs are a logging point (loss reduced over ranks)
     history: dict[str, list[Any]] = field(default_factory=dict)

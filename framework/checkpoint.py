@@ -146,6 +146,7 @@ def rank_state(engine: Engine) -> dict[str, Any]:
             "epoch_loss_count": st.epoch_loss_count,
             "window_loss_sum": st.window_loss_sum,
             "window_loss_count": st.window_loss_count,
+            "records_written": st.records_written,
         },
         "history": st.history,
         "loader_state": st.loader_state,

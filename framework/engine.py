@@ -259,6 +259,10 @@ class Engine:
             config=self.deepspeed_config,
         )
         self.model = self.ds_engine
+        if self.dp_size == 1 and self.strategy.sharding.stage == 0 and not self.strategy.uses_pipeline:
+            # One data-parallel rank: DeepSpeed would still flatten and "all-reduce" every gradient
+            # over a group of one each step (pure copies).
+            self.ds_engine.enable_backward_allreduce = self.strategy.amp.enable
         if self._float_dtype != torch.float32:
             # engine.model(x) with float32 inputs (a user's own tensors) computes in the model's dtype.
             self.module.register_forward_pre_hook(lambda _m, args: self.transfer(args))

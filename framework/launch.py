@@ -59,7 +59,6 @@ def spawn(entrypoint: Callable[..., Any], args: tuple[Any, ...], nproc: int, tim
     # The agent logs a failing worker's traceback itself; WorkerFailed carries it once instead.
     for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     port = dev.free_port()
     config = LaunchConfig(
         min_nodes=1,
@@ -73,6 +72,10 @@ def spawn(entrypoint: Callable[..., Any], args: tuple[Any, ...], nproc: int, tim
         monitor_interval=0.1,
         start_method="spawn",
     )
+    # Workers inherit this process's environment: share the cores between them, for this launch only.
+    threads_set = "OMP_NUM_THREADS" not in os.environ
+    if threads_set:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     try:
         results = elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as exc:
@@ -90,4 +93,7 @@ def spawn(entrypoint: Callable[..., Any], args: tuple[Any, ...], nproc: int, tim
         raise WorkerFailed(
             f"worker rank {rank} failed (exit code {failure.exitcode})", printed=True
         ) from None
+    finally:
+        if threads_set:
+            os.environ.pop("OMP_NUM_THREADS", None)
     return results[0]

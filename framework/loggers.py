@@ -157,22 +157,21 @@ class MetricsFile(Callback):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file: Any = None
+        self._state: Any = None
 
     def on_fit_start(self, state: TrainState) -> None:
         """Open the file: fresh, or cut back to the resumed step."""
         resumed = state.engine is not None and state.engine.resumed_from is not None
-        if resumed and self.path.exists():
-            kept = [
-                line
-                for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= state.global_step
-            ]
+        if resumed and self.path.exists():  # keep what was logged up to the checkpoint, drop the rest
+            kept = self.path.read_text().splitlines()[: state.records_written]
             self.path.write_text("".join(line + "\n" for line in kept))
         self._file = open(self.path, "a" if resumed else "w", encoding="utf-8")  # noqa: SIM115 - closed on fit end
+        self._state = state
 
     def _write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record, default=float) + "\n")
         self._file.flush()
+        self._state.records_written += 1
 
     def on_step_end(self, state: TrainState) -> None:
         """A record at each logging point."""

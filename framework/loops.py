@@ -88,7 +88,7 @@ def fit(
             save_dir, save_freq, keep_last_k, handle_preemption=engine.handle_preemption
         )
         manager.last_saved_step = st.global_step if resume_from is not None else -1
-        engine.callbacks.insert(0, manager)
+        engine.callbacks.append(manager)  # after the loggers: a checkpoint includes this step's records
     start = time.perf_counter()
     engine.fire(Event.FIT_START)
     if valid_data is not None and valid_at_start and st.global_step == 0:

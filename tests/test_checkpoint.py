@@ -205,3 +205,25 @@ def test_engine_save_and_load_round_trip(tmp_path):
         torch.testing.assert_close(torch.cat(fresh.predict(data.valid, batch_size=32)), torch.cat(expected))
         device.destroy_process_group()
     assert Path(ckpt).name == "step_00000006"
+
+
+@pytest.mark.slow
+def test_pipeline_sigkill_then_resume_logs_the_same_losses(tmp_path):
+    """The pipeline engine too: killed after a checkpoint, resumed, every logged loss identical."""
+    args = [
+        "experiment=gpt_pipeline",
+        "trainer.max_steps=16",
+        "trainer.steps_per_epoch=8",
+        "trainer.log_every=1",
+        "trainer.checkpoint.every_n_steps=4",
+        "trainer.valid_at_start=false",
+        "data.dataset.max_chars=200000",
+    ]
+    full = run_train(args, tmp_path / "full")
+    assert full.returncode == 0, full.stderr[-3000:]
+    killed_dir = tmp_path / "killed"
+    reached = kill_after(start([*args, SLOW], killed_dir), killed_dir, 9)
+    assert reached < 16
+    resumed = run_train([*args, "trainer.resume=auto"], killed_dir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert records(killed_dir) == records(tmp_path / "full")

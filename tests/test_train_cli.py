@@ -78,3 +78,45 @@ def test_every_experiment_runs_in_fast_mode(tmp_path, experiment):
     run = run_train([f"experiment={experiment}", "trainer.max_steps=3", "trainer.epochs=1"], tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert final_metrics(tmp_path)["step"] == 3
+
+
+def test_dry_run_prints_the_memory_plan_and_trains_nothing(tmp_path):
+    run = run_train(["+dry_run=true", "+strategy=zero3"], tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "per-rank model states:" in run.stdout and "DeepSpeed config:" in run.stdout
+    assert '"stage": 3' in run.stdout and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_saved_deepspeed_config_is_what_deepspeed_received(tmp_path):
+    """deepspeed_config.json holds the auto sizes DeepSpeed ran with (its own parsed config agrees)."""
+    import functools
+
+    import torch
+
+    from framework import Engine, Strategy, device
+    from framework.engine import param_counts
+    from framework.models import MLP
+    from framework.strategy import auto_sizes
+
+    run = run_train(["+strategy=zero3", *FAST], tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    saved = json.loads((tmp_path / "deepspeed_config.json").read_text())
+    numel, largest = param_counts(MLP())
+    sizes = auto_sizes(numel, largest)
+    assert saved["zero_optimization"]["stage3_prefetch_bucket_size"] == sizes["prefetch_bucket_size"]
+    assert saved["zero_optimization"]["reduce_bucket_size"] == sizes["reduce_bucket_size"]
+    engine = Engine(
+        MLP(),
+        torch.nn.CrossEntropyLoss(),
+        functools.partial(torch.optim.AdamW, lr=1e-3),
+        strategy=Strategy(sharding={"stage": 3}),
+    )
+    engine.prepare("train", 64)
+    parsed = engine.ds_engine._config.zero_config
+    assert engine.ds_engine.config == saved  # the dict DeepSpeed was given
+    assert (parsed.prefetch_bucket_size, parsed.reduce_bucket_size, parsed.max_live_parameters) == (
+        sizes["prefetch_bucket_size"],
+        sizes["reduce_bucket_size"],
+        sizes["max_live_parameters"],
+    )
+    device.destroy_process_group()

@@ -1,0 +1,95 @@
+"""Peers: the same MLP and GPT tasks with PyTorch Lightning (its DDP strategy: its DeepSpeed
+strategy refuses the CPU) and HF Accelerate, same data, global batch and steps, one process each
+on this CPU. Reported: throughput ratio ours / theirs (target >= 1.0) and time to first step
+(process start to the end of step 1). Peers come from the `bench` extra.
+
+    python -m benchmarks.peers [--quick | --smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import median, print_table, write
+
+ROOT = Path(__file__).resolve().parents[1]
+PEERS = ["lightning", "accelerate"]
+
+
+def run(framework: str, task: str, steps: int) -> dict[str, float]:
+    """One framework on one task in a fresh process."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env.update(
+        OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "2"), BENCH_T0=repr(time.time()), PYTHONWARNINGS="ignore"
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.peer_worker", framework, task, str(steps)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    """Run each framework on each task (alternating, repeated) and write results/peers.json."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--out-dir", default=None)
+    args = parser.parse_args(argv)
+    peers = [p for p in PEERS if importlib.util.find_spec(p) is not None]
+    tasks = ["mlp"] if args.smoke else ["mlp", "gpt"]
+    steps, repeats = (6, 1) if args.smoke else (40, 2) if args.quick else (100, 3)
+    rows = []
+    for task in tasks:
+        results: dict[str, list[dict[str, float]]] = {name: [] for name in ["hydraspeed", *peers]}
+        for _ in range(repeats):
+            for name in results:
+                results[name].append(run(name, task, steps))
+        ours = results["hydraspeed"]
+        for name in results:
+            rate = median([r["samples_per_s"] for r in results[name]])
+            rows.append(
+                {
+                    "task": task,
+                    "framework": name,
+                    "samples_per_s": rate,
+                    "ours_over_theirs": median([r["samples_per_s"] for r in ours]) / rate,
+                    "first_step_s": median([r["first_step_s"] for r in results[name]]),
+                }
+            )
+    print_table("Throughput and time to first step, one process on this CPU", rows)
+    write(
+        "peers",
+        rows,
+        {
+            "steps": steps,
+            "repeats": repeats,
+            "missing_peers": sorted(set(PEERS) - set(peers)),
+            "target": "ours_over_theirs >= 1.0",
+            "ours": "Engine.fit, ZeRO-0, fp32",
+        },
+        Path(args.out_dir) if args.out_dir else None,
+    )
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Pipeline bubble: the GPT in 2 stages (2 processes) against 1 stage (1 process), same global
+batch and m micro-batches per step, m in {2, 4, 8}. With T1 the 1-stage step time and T2 the
+2-stage one, the measured bubble is 1 - T1 / (2 T2) (the idle share of the two stages' time),
+next to 1F1B's theory (p - 1) / (m + p - 1).
+
+    python -m benchmarks.pipeline [--quick | --smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import median, print_table, quiet, write
+from framework.callbacks import Callback
+
+
+class _StepTimes(Callback):
+    """Time between optimizer steps (a step of m micro-batches, whatever the flavour)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.last: float | None = None
+        self.step = 0
+
+    def on_step_end(self, state: Any) -> None:
+        if state.global_step == self.step:
+            return
+        self.step = state.global_step
+        now = time.perf_counter()
+        if self.last is not None:
+            self.times.append(now - self.last)
+        self.last = now
+
+
+def worker(stages: int, micro_batches: int, micro: int, steps: int, n_layer: int) -> list[float]:
+    """Train the GPT for `steps` steps; per-step times (rank 0)."""
+    from framework import Engine, Strategy, device
+    from framework.models import GPT, LMLoss
+
+    quiet()
+    torch.set_num_threads(1)  # one core per stage, and the 1-stage run on one core too
+    device.init_process_group()
+    if stages > 1:
+        strategy = Strategy(pipeline={"stages": stages, "accumulate_steps": micro_batches})
+    else:
+        strategy = Strategy(gradient_merge={"k_steps": micro_batches})
+    g = torch.Generator().manual_seed(0)
+    n = micro * micro_batches * (steps + 2)
+    ids = torch.randint(0, 128, (n, 65), generator=g)
+    data = torch.utils.data.TensorDataset(ids[:, :-1], ids[:, 1:])
+    torch.manual_seed(0)
+    timer = _StepTimes()
+    model = GPT(n_layer=n_layer, n_embd=128, n_head=4)
+    engine = Engine(
+        model, LMLoss(), functools.partial(torch.optim.AdamW, lr=1e-3), strategy=strategy, callbacks=[timer]
+    )
+    engine.fit(data, epochs=1, batch_size=micro * micro_batches, max_steps=steps, log_freq=10**9)
+    device.destroy_process_group()
+    return timer.times
+
+
+def measure(micro_batches: int, micro: int, steps: int, n_layer: int) -> dict[str, Any]:
+    """T1 (one process, no pipeline) and T2 (two stages) at the same global batch."""
+    from framework.launch import spawn
+
+    one = median(spawn(worker, (1, micro_batches, micro, steps, n_layer), 1)[1:])
+    two = median(spawn(worker, (2, micro_batches, micro, steps, n_layer), 2)[1:])
+    p, m = 2, micro_batches
+    return {
+        "micro_batches": m,
+        "t1_ms": one * 1000,
+        "t2_ms": two * 1000,
+        "speedup": one / two,
+        "bubble_measured": 1 - one / (p * two),
+        "bubble_1f1b_theory": (p - 1) / (m + p - 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    """Run m in {2, 4, 8} and write results/pipeline.json."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--out-dir", default=None)
+    args = parser.parse_args(argv)
+    grid = [2] if args.smoke else [2, 4, 8]
+    steps = 3 if args.smoke else 6 if args.quick else 12
+    rows = [measure(m, micro=8, steps=steps, n_layer=2 if args.smoke else 6) for m in grid]
+    print_table("Pipeline bubble, GPT, 2 stages vs 1 (same global batch)", rows)
+    write(
+        "pipeline",
+        rows,
+        {"stages": 2, "micro_batch": 8, "model": "GPT n_embd=128, 6 layers", "threads_per_process": 1},
+        Path(args.out_dir) if args.out_dir else None,
+    )
+    return rows
+
+
+if __name__ == "__main__":
+    main()
