@@ -13,7 +13,8 @@ from framework.engine import model_init_context
 from framework.models import MLP
 
 out_dir = Path(sys.argv[1])
-strategy = Strategy(sharding={"stage": 3})
+# Nothing persistent (whole on every rank), so every parameter must be partitioned.
+strategy = Strategy(sharding={"stage": 3, "param_persistence_threshold": 0})
 device.init_process_group(timeout_s=60)
 with model_init_context(strategy, {"train_batch_size": 2, "zero_optimization": {"stage": 3}}):
     model = MLP(hidden=[256, 256])
