@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -9,6 +10,8 @@ import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+from framework.callbacks import Callback
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -68,3 +71,40 @@ def quiet() -> None:
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     device.quiet_deepspeed()
+
+
+def parse_args(doc: str | None, argv: list[str] | None) -> argparse.Namespace:
+    """The flags every benchmark takes: --quick, --smoke (smallest sizes, for the tests), --out-dir."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--quick", action="store_true", help="shorter runs (python -m benchmarks.run --quick)"
+    )
+    parser.add_argument("--smoke", action="store_true", help="the smallest sizes: checks the script runs")
+    parser.add_argument(
+        "--out-dir", type=Path, default=None, help="where to write the JSON (default benchmarks/results)"
+    )
+    return parser.parse_args(argv)
+
+
+class StepTimes(Callback):
+    """Seconds between consecutive optimizer steps as the training loop reports them; the first
+    interval of each fit call (which includes starting the loader) is dropped."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.last: float | None = None
+        self.step = -1
+
+    def on_fit_start(self, state: Any) -> None:
+        """A new fit call."""
+        self.last = None
+
+    def on_step_end(self, state: Any) -> None:
+        """Record the interval when an optimizer step was taken (not at every micro-batch)."""
+        if state.global_step == self.step:
+            return
+        self.step = state.global_step
+        now = time.perf_counter()
+        if self.last is not None:
+            self.times.append(now - self.last)
+        self.last = now

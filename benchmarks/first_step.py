@@ -7,7 +7,6 @@ Also the import time of each dependency that dominates start-up.
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import median, print_table, write
+from benchmarks.common import median, parse_args, print_table, write
 
 ROOT = Path(__file__).resolve().parents[1]
 IMPORTS = [
@@ -60,13 +59,7 @@ def import_cost(module: str) -> float:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     """Alternate the two commands and write results/first_step.json."""
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--out-dir", default=None)
-    args = parser.parse_args(argv)
+    args = parse_args(__doc__, argv)
     repeats = 1 if args.smoke else 3 if args.quick else 5
     ours, raw = [], []
     with tempfile.TemporaryDirectory() as tmp:
@@ -91,7 +84,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "first_step",
         rows,
         {"target": "ratio <= 1.3", "imports": imports, "repeats": repeats},
-        Path(args.out_dir) if args.out_dir else None,
+        args.out_dir,
     )
     return rows
 

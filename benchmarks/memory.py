@@ -17,16 +17,14 @@ and a GPT of similar size). Each configuration runs in fresh processes, so each 
 
 from __future__ import annotations
 
-import argparse
 import functools
 import resource
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.common import median, print_table, quiet, write
+from benchmarks.common import median, parse_args, print_table, quiet, write
 
 MODELS = {
     "mlp30m": ("framework.models.MLP", {"in_features": 256, "hidden": [4096, 4096, 3072], "num_classes": 10}),
@@ -123,13 +121,7 @@ def measure(
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     """Run the grid and write results/memory.json."""
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="the 30 M MLP, ZeRO-0/3 and offload")
-    parser.add_argument("--smoke", action="store_true", help="a small MLP: checks the script runs")
-    parser.add_argument("--out-dir", default=None)
-    args = parser.parse_args(argv)
+    args = parse_args(__doc__, argv)
     if args.smoke:
         grid = [("ours", 0, False), ("ours", 3, False), ("raw", 3, False)]
         models, steps = ["mlp_small"], 2
@@ -166,7 +158,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             "targets": "ours ZeRO-3 peak_vs_ours_zero0 <= 0.75; "
             "state_over_formula within 0.9-1.1; ours ZeRO-3 step_ms <= raw ZeRO-3 step_ms",
         },
-        Path(args.out_dir) if args.out_dir else None,
+        args.out_dir,
     )
     return rows
 

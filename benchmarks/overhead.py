@@ -9,7 +9,6 @@ each and the ratio fit / raw (target <= 1.03), for ZeRO-0 and ZeRO-3 on 1 and 2 
 
 from __future__ import annotations
 
-import argparse
 import copy
 import functools
 import time
@@ -17,27 +16,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import median, print_table, quiet, write
-from framework.callbacks import Callback
-
-
-class _StepTimes(Callback):
-    """The time between consecutive step ends (the first of each fit call dropped)."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self.last: float | None = None
-
-    def on_fit_start(self, state: Any) -> None:
-        """A new fit call: its first step includes starting the loader."""
-        self.last = None
-
-    def on_step_end(self, state: Any) -> None:
-        """Record the interval since the previous step end."""
-        now = time.perf_counter()
-        if self.last is not None:
-            self.times.append(now - self.last)
-        self.last = now
+from benchmarks.common import StepTimes, median, parse_args, print_table, quiet, write
 
 
 def worker(stage: int, steps: int, rounds: int, hidden: int, batch: int) -> dict[str, Any]:
@@ -70,7 +49,7 @@ def worker(stage: int, steps: int, rounds: int, hidden: int, batch: int) -> dict
         model=model_a, optimizer=torch.optim.AdamW(model_a.parameters(), lr=1e-3), config=config
     )
     loader = train_loader(data, layout.micro_batch_size, world, device.rank(), seed=0)
-    timer = _StepTimes()
+    timer = StepTimes()
     engine = Engine(
         model_b, loss_fn, functools.partial(torch.optim.AdamW, lr=1e-3), strategy=strategy, callbacks=[timer]
     )
@@ -119,26 +98,19 @@ def measure(stage: int, nproc: int, steps: int, rounds: int, hidden: int, batch:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     """Run the grid and write results/overhead.json."""
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="fewer steps")
-    parser.add_argument("--smoke", action="store_true", help="smallest sizes: checks the script runs")
-    parser.add_argument("--out-dir", default=None)
-    args = parser.parse_args(argv)
+    args = parse_args(__doc__, argv)
     steps, rounds, hidden = (3, 2, 64) if args.smoke else (10, 4, 1024) if args.quick else (20, 6, 1024)
     rows = []
     for nproc in (1,) if args.smoke else (1, 2):
         for stage in (0, 3):
             rows.append(measure(stage, nproc, steps, rounds, hidden, batch=64))
     print_table("Engine.fit vs a hand-written DeepSpeed loop (median ms per step)", rows)
-    from pathlib import Path
 
     write(
         "overhead",
         rows,
         {"model": f"MLP 256-{hidden}-{hidden}-10", "global_batch": 64, "target": "ratio <= 1.03"},
-        Path(args.out_dir) if args.out_dir else None,
+        args.out_dir,
     )
     return rows
 

@@ -8,7 +8,6 @@ on this CPU. Reported: throughput ratio ours / theirs (target >= 1.0) and time t
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -18,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import median, print_table, write
+from benchmarks.common import median, parse_args, print_table, write
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS = ["lightning", "accelerate"]
@@ -47,13 +46,7 @@ def run(framework: str, task: str, steps: int) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     """Run each framework on each task (alternating, repeated) and write results/peers.json."""
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--out-dir", default=None)
-    args = parser.parse_args(argv)
+    args = parse_args(__doc__, argv)
     peers = [p for p in PEERS if importlib.util.find_spec(p) is not None]
     tasks = ["mlp"] if args.smoke else ["mlp", "gpt"]
     steps, repeats = (6, 1) if args.smoke else (40, 2) if args.quick else (100, 3)
@@ -86,7 +79,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             "target": "ours_over_theirs >= 1.0",
             "ours": "Engine.fit, ZeRO-0, fp32",
         },
-        Path(args.out_dir) if args.out_dir else None,
+        args.out_dir,
     )
     return rows
 

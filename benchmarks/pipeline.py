@@ -8,34 +8,12 @@ next to 1F1B's theory (p - 1) / (m + p - 1).
 
 from __future__ import annotations
 
-import argparse
 import functools
-import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.common import median, print_table, quiet, write
-from framework.callbacks import Callback
-
-
-class _StepTimes(Callback):
-    """Time between optimizer steps (a step of m micro-batches, whatever the flavour)."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self.last: float | None = None
-        self.step = 0
-
-    def on_step_end(self, state: Any) -> None:
-        if state.global_step == self.step:
-            return
-        self.step = state.global_step
-        now = time.perf_counter()
-        if self.last is not None:
-            self.times.append(now - self.last)
-        self.last = now
+from benchmarks.common import StepTimes, median, parse_args, print_table, quiet, write
 
 
 def worker(stages: int, micro_batches: int, micro: int, steps: int, n_layer: int) -> list[float]:
@@ -55,7 +33,7 @@ def worker(stages: int, micro_batches: int, micro: int, steps: int, n_layer: int
     ids = torch.randint(0, 128, (n, 65), generator=g)
     data = torch.utils.data.TensorDataset(ids[:, :-1], ids[:, 1:])
     torch.manual_seed(0)
-    timer = _StepTimes()
+    timer = StepTimes()
     model = GPT(n_layer=n_layer, n_embd=128, n_head=4)
     engine = Engine(
         model, LMLoss(), functools.partial(torch.optim.AdamW, lr=1e-3), strategy=strategy, callbacks=[timer]
@@ -84,13 +62,7 @@ def measure(micro_batches: int, micro: int, steps: int, n_layer: int) -> dict[st
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     """Run m in {2, 4, 8} and write results/pipeline.json."""
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--out-dir", default=None)
-    args = parser.parse_args(argv)
+    args = parse_args(__doc__, argv)
     grid = [2] if args.smoke else [2, 4, 8]
     steps = 3 if args.smoke else 6 if args.quick else 12
     rows = [measure(m, micro=8, steps=steps, n_layer=2 if args.smoke else 6) for m in grid]
@@ -99,7 +71,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "pipeline",
         rows,
         {"stages": 2, "micro_batch": 8, "model": "GPT n_embd=128, 6 layers", "threads_per_process": 1},
-        Path(args.out_dir) if args.out_dir else None,
+        args.out_dir,
     )
     return rows
 

@@ -10,35 +10,20 @@ should pay about max(C, D). Reported per (C, D): step time / max(C, D) for Engin
 
 from __future__ import annotations
 
-import argparse
 import functools
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset, default_collate
 
-from benchmarks.common import median, print_table, quiet, write
-from framework.callbacks import Callback
+from benchmarks.common import StepTimes, median, parse_args, print_table, quiet, write
 
 
 def sleepy_collate(batch: list[Any], delay: float) -> Any:
     """Collate after `delay` seconds: a loader that needs D ms per batch (decoding, augmenting, I/O)."""
     time.sleep(delay)
     return default_collate(batch)
-
-
-class _StepTimes(Callback):
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self.last: float | None = None
-
-    def on_step_end(self, state: Any) -> None:
-        now = time.perf_counter()
-        if self.last is not None:
-            self.times.append(now - self.last)
-        self.last = now
 
 
 def _naive(data: Any, collate: Any, c: float) -> list[float]:
@@ -68,7 +53,7 @@ def _fit(data: Any, collate: Any, c: float) -> list[float]:
         time.sleep(c)
         return engine.default_train_step(batch)
 
-    timer = _StepTimes()
+    timer = StepTimes()
     engine = Engine(
         MLP(hidden=[16]), torch.nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.01),
         train_step=step, callbacks=[timer],
@@ -102,13 +87,7 @@ def run_pair(compute_ms: float, data_ms: float, steps: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     """Run the (C, D) grid and write results/stalls.json."""
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--out-dir", default=None)
-    args = parser.parse_args(argv)
+    args = parse_args(__doc__, argv)
     quiet()
     pairs = [(10, 10)] if args.smoke else [(20, 5), (20, 10), (20, 20), (10, 20), (5, 20)]
     steps = 5 if args.smoke else 30 if args.quick else 60
@@ -118,7 +97,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "stalls",
         rows,
         {"target": "fit_over_max <= 1.10", "prefetch": 2},
-        Path(args.out_dir) if args.out_dir else None,
+        args.out_dir,
     )
     return rows
 

@@ -67,6 +67,15 @@ def run_train(args: list[str], run_dir: Path, timeout: float = 240, nproc: int =
     return run_cmd(cmd, timeout, env)
 
 
+def fails_cleanly(run: subprocess.CompletedProcess, *words: str) -> None:
+    """A non-zero exit whose output holds every one of `words`, and no traceback."""
+    assert run.returncode != 0
+    text = run.stdout + run.stderr
+    for word in words:
+        assert word in text, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+
+
 def final_metrics(run_dir: Path) -> dict:
     """The final_metrics.json a run wrote."""
     return json.loads((run_dir / "final_metrics.json").read_text())

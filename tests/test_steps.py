@@ -13,7 +13,7 @@ from torch.utils.data import TensorDataset
 from framework import Callback, ConfigError, Engine, Strategy, device, loops
 from framework.models import MLP
 
-from .conftest import FAST, ROOT, final_metrics, run_cmd, run_train
+from .conftest import FAST, ROOT, fails_cleanly, final_metrics, run_cmd, run_train
 
 
 @pytest.fixture(autouse=True)
@@ -199,22 +199,13 @@ def test_gpt_pipeline_learns_and_matches_the_unpipelined_run(tmp_path):
     assert final["val_loss"] == pytest.approx(final_metrics(tmp_path / "flat")["val_loss"], rel=1e-2)
 
 
-def _fails_with(run, *words):
-    """Non-zero exit, our message, no traceback."""
-    assert run.returncode != 0
-    text = run.stdout + run.stderr
-    for word in words:
-        assert word in text, text[-3000:]
-    assert "Traceback" not in text, text[-3000:]
-
-
 def test_pipeline_with_zero3_is_a_clear_error(tmp_path):
     run = run_train(["experiment=gpt_pipeline", "strategy.sharding.stage=3"], tmp_path)
-    _fails_with(run, "cannot run with ZeRO stage 3", "0 and 1")
+    fails_cleanly(run, "cannot run with ZeRO stage 3", "0 and 1")
 
 
 def test_pipeline_stages_must_divide_processes(tmp_path):
-    _fails_with(
+    fails_cleanly(
         run_train(["experiment=gpt_pipeline", "trainer.devices=1"], tmp_path),
         "stages=2 does not divide the 1 processes",
     )
@@ -222,12 +213,12 @@ def test_pipeline_stages_must_divide_processes(tmp_path):
 
 def test_unknown_pipeline_schedule(tmp_path):
     run = run_train(["experiment=gpt_pipeline", "strategy.pipeline.schedule=gpipe"], tmp_path)
-    _fails_with(run, "schedule='gpipe' is not supported", "1F1B")
+    fails_cleanly(run, "schedule='gpipe' is not supported", "1F1B")
 
 
 def test_model_that_cannot_be_split(tmp_path):
     run = run_train(["strategy=pipeline", "model=cnn", "trainer.devices=2", *FAST], tmp_path)
-    _fails_with(run, "CNN cannot be split into pipeline stages", "pipeline_layers()")
+    fails_cleanly(run, "CNN cannot be split into pipeline stages", "pipeline_layers()")
 
 
 def test_custom_step_with_pipeline_is_refused():
