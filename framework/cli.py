@@ -33,7 +33,7 @@ from framework import device as dev
 from framework.callbacks import Callback, TrainState
 from framework.checkpoint import install_preemption_handler
 from framework.config import GROUPS, check_group_choice, check_override, check_schema, register_configs
-from framework.engine import Engine, model_init_context
+from framework.engine import Engine, model_init_context, strategy_for_this_machine
 from framework.launch import WorkerFailed, check_devices, join_slurm_tasks, spawn
 from framework.loggers import MetricsFile
 from framework.loops import NonFiniteLoss
@@ -303,7 +303,7 @@ def train(cfg: DictConfig, output_dir: str | None, context: dict[str, Any] | Non
     """Train in this process (one rank of the job): build everything from `cfg`, fit, write files."""
     check_schema(cfg)
     t = cfg.trainer
-    strategy = Strategy.from_config(cfg.strategy)
+    strategy = strategy_for_this_machine(Strategy.from_config(cfg.strategy))
     with dev.process_group(timeout_s=t.timeout_s):
         batch_layout(strategy, int(t.batch_size), dev.world_size())
         if dev.world_size() > 1 and dev.launched() and t.devices not in (1, dev.world_size()):

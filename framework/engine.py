@@ -76,6 +76,21 @@ def _named_metrics(metrics: Any) -> dict[str, Any]:
     return {_metric_name(m): m for m in metrics}
 
 
+def strategy_for_this_machine(strategy: Strategy) -> Strategy:
+    """`strategy` as it will run here: without an accelerator, offload is dropped (see
+    `Strategy.for_host_only`) and rank 0 says so in one line."""
+    if dev.cuda_available():
+        return strategy
+    host = strategy.for_host_only()
+    if host is not strategy and dev.is_main_process():
+        print(
+            "strategy: no accelerator, so offload has nowhere to move states to; "
+            f"running {host.describe()} (states stay in host memory)",
+            flush=True,
+        )
+    return host
+
+
 def model_init_context(
     strategy: Strategy, config: dict[str, Any] | None = None
 ) -> contextlib.AbstractContextManager:
@@ -159,7 +174,9 @@ class Engine:
         self.optimizer_spec = optimizer
         self.scheduler_spec = scheduler
         self.metrics = _named_metrics(metrics)
-        self.strategy = strategy if isinstance(strategy, Strategy) else Strategy(**(strategy or {}))
+        self.strategy = strategy_for_this_machine(
+            strategy if isinstance(strategy, Strategy) else Strategy(**(strategy or {}))
+        )
         self.train_step_fn = resolve_step(train_step, model, "training_step")
         self.eval_step_fn = resolve_step(eval_step, model, "validation_step")
         if self.strategy.uses_pipeline and (self.train_step_fn is not None or self.eval_step_fn is not None):

@@ -9,6 +9,7 @@ wrong type fails at composition.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -31,6 +32,7 @@ class Sharding:
     prefetch_bucket_size: Any = "auto"
     param_persistence_threshold: Any = "auto"
     max_live_parameters: Any = "auto"
+    max_reuse_distance: Any = "auto"
     sub_group_size: Any = "auto"
 
 
@@ -161,6 +163,20 @@ class Strategy:
             parts.append("recompute")
         return " | ".join(parts)
 
+    def for_host_only(self) -> Strategy:
+        """This strategy for a machine without an accelerator: offload dropped.
+
+        Offloading moves states from device memory to host memory; when the device *is* the host
+        there is nowhere to move them, and DeepSpeed's offload path only adds a host copy of the
+        fp32 partition and per-group gradient buffers (measured: +11% peak per rank on 2 CPU
+        ranks, benchmarks/memory.py). ZeRO-3 without offload is what such a run should get."""
+        s = self.sharding
+        if not (s.offload_optimizer or s.offload_params):
+            return self
+        return dataclasses.replace(
+            self, sharding=dataclasses.replace(s, offload_optimizer=False, offload_params=False)
+        )
+
     @property
     def uses_pipeline(self) -> bool:
         """True when the model runs on DeepSpeed's pipeline engine."""
@@ -261,11 +277,12 @@ def auto_sizes(num_params: int, largest_param: int) -> dict[str, int]:
       reduce / allgather bucket = min(L, P / 8)   small: a gradient bucket is a transient copy
       ZeRO-3 prefetch bucket    = L               the next layer arrives while this one computes
       max live parameters       = 2 x prefetch    about two of the largest layers gathered at once
+      max reuse distance        = prefetch        a gathered layer is kept only if reused that soon
       persistence threshold     = 10 x sqrt(L)    biases / norms stay whole, like HF's 10 x hidden
       sub group                 = P / 4           optimizer step in ~4 chunks (matters under offload)
-    DeepSpeed's own defaults (5e8-element buckets, 1e9 live) are sized for large GPUs; on this
-    CPU they made ZeRO-3 peak 15% above ZeRO-0 for a 30 M MLP on 2 ranks, this rule about equal
-    to it, and its steps slightly faster (benchmarks/memory.py).
+    DeepSpeed's own defaults (5e8-element buckets, 1e9 live and reuse distance) are sized for
+    large GPUs: with them every layer of a 30 M model stays gathered from forward to backward, and
+    ZeRO-3's peak on 2 CPU ranks was 15% above ZeRO-0's (benchmarks/memory.py).
     """
 
     def clamp(n: int) -> int:
@@ -280,6 +297,7 @@ def auto_sizes(num_params: int, largest_param: int) -> dict[str, int]:
         "prefetch_bucket_size": prefetch,
         "param_persistence_threshold": int(10 * math.isqrt(largest)),
         "max_live_parameters": 2 * prefetch,
+        "max_reuse_distance": prefetch,
         "sub_group_size": int(min(max(num_params // 4, 100_000), 1_000_000_000)),
     }
 
@@ -320,7 +338,7 @@ def deepspeed_config(
             zero["stage3_prefetch_bucket_size"] = chosen["prefetch_bucket_size"]
             zero["stage3_param_persistence_threshold"] = chosen["param_persistence_threshold"]
             zero["stage3_max_live_parameters"] = chosen["max_live_parameters"]
-            zero["stage3_max_reuse_distance"] = chosen["max_live_parameters"]
+            zero["stage3_max_reuse_distance"] = chosen["max_reuse_distance"]
             zero["sub_group_size"] = chosen["sub_group_size"]
             zero["stage3_gather_16bit_weights_on_model_save"] = False
         if s.offload_optimizer:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 
 import pytest
 import torch
@@ -109,3 +110,39 @@ def test_bf16_strategy_trains_in_bf16():
     history = engine.fit(splits.train, splits.valid, epochs=2, batch_size=32)
     assert next(engine.module.parameters()).dtype == torch.bfloat16
     assert history["val_loss"][-1] < history["val_loss"][0]
+
+
+_RSS_AFTER_FREES = """
+import sys, psutil, torch
+from framework import device
+applied = device.return_large_buffers_to_os() if sys.argv[1] == "fix" else False
+process = psutil.Process()
+before = process.memory_info().rss
+for _ in range(3):  # a 24 MiB buffer freed and made again, like a gathered layer each step
+    buffer = torch.ones(6 << 20)
+    del buffer
+print(applied, (process.memory_info().rss - before) / 2**20)
+"""
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or torch.cuda.is_available(), reason="glibc, CPU runs"
+)
+def test_freed_large_buffers_go_back_to_the_os_on_cpu():
+    from .conftest import run_cmd, subprocess_env
+
+    env = {k: v for k, v in subprocess_env().items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    results = {}
+    for mode in ("fix", "glibc-default"):
+        run = run_cmd([sys.executable, "-c", _RSS_AFTER_FREES, mode], env=env, timeout=120)
+        assert run.returncode == 0, run.stderr[-2000:]
+        applied, grown = run.stdout.split()[-2:]
+        results[mode] = (applied, float(grown))
+    assert results["fix"][0] == "True"
+    assert results["fix"][1] < 8  # each buffer was unmapped when freed
+    assert results["glibc-default"][1] > 16  # glibc's raised threshold kept one resident
+
+
+def test_freed_buffer_setting_respects_the_users_malloc_threshold(monkeypatch):
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert device.return_large_buffers_to_os() is False

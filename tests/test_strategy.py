@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -161,6 +163,7 @@ def test_auto_sizes_follow_the_documented_rule():
         "prefetch_bucket_size": 100_000,
         "param_persistence_threshold": 1_280,
         "max_live_parameters": 200_000,
+        "max_reuse_distance": 100_000,
         "sub_group_size": 100_000,
     }
     big = auto_sizes(num_params=30_400_000, largest_param=4096 * 4096)
@@ -168,6 +171,7 @@ def test_auto_sizes_follow_the_documented_rule():
     assert big["prefetch_bucket_size"] == 4096 * 4096
     assert big["param_persistence_threshold"] == 40_960
     assert big["max_live_parameters"] == 2 * 4096 * 4096  # two of the largest layers at a time
+    assert big["max_reuse_distance"] == 4096 * 4096  # DeepSpeed's 1e9 would keep all 30 M gathered
     assert big["sub_group_size"] == 7_600_000
 
 
@@ -180,6 +184,7 @@ def test_auto_values_reach_the_zero3_config_and_user_values_win():
     user = Strategy(sharding={"stage": 3, "reduce_bucket_size": 1234, "max_live_parameters": 999})
     z = deepspeed_config(user, 8, 1, num_params=30_400_000, largest_param=4096 * 4096)["zero_optimization"]
     assert z["reduce_bucket_size"] == 1234 and z["stage3_max_live_parameters"] == 999
+    assert z["stage3_max_reuse_distance"] == 4096 * 4096  # still auto: not tied to max_live
     assert z["allgather_bucket_size"] == 3_800_000
 
 
@@ -189,3 +194,16 @@ def test_config_is_pure():
     first["zero_optimization"]["stage"] = 99
     assert deepspeed_config(s, 16, 2, 1000, 100)["zero_optimization"]["stage"] == 3
     assert s.deepspeed == {"zero_optimization": {"overlap_comm": True}}
+
+
+def test_host_only_strategy_drops_offload_and_keeps_the_rest():
+    s = Strategy(
+        sharding={"stage": 3, "offload_optimizer": True, "offload_params": True}, amp={"enable": True}
+    )
+    host = s.for_host_only()
+    assert (host.sharding.offload_optimizer, host.sharding.offload_params) == (False, False)
+    assert host.sharding.stage == 3 and host.amp.enable
+    assert s.sharding.offload_optimizer  # the original is not changed
+    assert "offload" not in json.dumps(deepspeed_config(host, 8, 1))
+    plain = Strategy(sharding={"stage": 2})
+    assert plain.for_host_only() is plain
