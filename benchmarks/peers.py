@@ -3,6 +3,11 @@ strategy refuses the CPU) and HF Accelerate, same data, global batch and steps, 
 on this CPU. Reported: throughput ratio ours / theirs (target >= 1.0) and time to first step
 (process start to the end of step 1). Peers come from the `bench` extra.
 
+On a CPU the framework fixes glibc's allocator thresholds (`framework.device.tune_host_allocator`),
+which alone speeds a small model's step by ~30%. So that the ratio shows more than that setting,
+each peer also runs with the same thresholds, given through glibc's environment variables
+(rows "<peer> + same allocator").
+
     python -m benchmarks.peers [--quick | --smoke]
 """
 
@@ -23,7 +28,17 @@ ROOT = Path(__file__).resolve().parents[1]
 PEERS = ["lightning", "accelerate"]
 
 
-def run(framework: str, task: str, steps: int) -> dict[str, float]:
+def same_allocator_env() -> dict[str, str]:
+    """glibc's environment variables for the thresholds the framework sets on a CPU run."""
+    from framework.device import HOST_MMAP_THRESHOLD, HOST_TRIM_THRESHOLD
+
+    return {
+        "MALLOC_MMAP_THRESHOLD_": str(HOST_MMAP_THRESHOLD),
+        "MALLOC_TRIM_THRESHOLD_": str(HOST_TRIM_THRESHOLD),
+    }
+
+
+def run(framework: str, task: str, steps: int, extra_env: dict[str, str] | None = None) -> dict[str, float]:
     """One framework on one task in a fresh process."""
     env = {
         k: v
@@ -33,6 +48,7 @@ def run(framework: str, task: str, steps: int) -> dict[str, float]:
     env.update(
         OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "2"), BENCH_T0=repr(time.time()), PYTHONWARNINGS="ignore"
     )
+    env.update(extra_env or {})
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.peer_worker", framework, task, str(steps)],
         cwd=ROOT,
@@ -52,10 +68,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     steps, repeats = (6, 1) if args.smoke else (40, 2) if args.quick else (100, 3)
     rows = []
     for task in tasks:
-        results: dict[str, list[dict[str, float]]] = {name: [] for name in ["hydraspeed", *peers]}
+        variants = {"hydraspeed": ("hydraspeed", None)}
+        for peer in peers:
+            variants[peer] = (peer, None)
+            variants[f"{peer} + same allocator"] = (peer, same_allocator_env())
+        results: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
         for _ in range(repeats):
-            for name in results:
-                results[name].append(run(name, task, steps))
+            for name, (framework, extra_env) in variants.items():
+                results[name].append(run(framework, task, steps, extra_env))
         ours = results["hydraspeed"]
         for name in results:
             rate = median([r["samples_per_s"] for r in results[name]])

@@ -45,25 +45,34 @@ def configure_environment() -> None:
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
 
 
-# Buffers of at least this many bytes get their own mapping, returned to the OS when freed.
-HOST_MMAP_THRESHOLD = 4 << 20
+# glibc allocator settings for CPU runs (see `tune_host_allocator`).
+HOST_MMAP_THRESHOLD = 16 << 20  # buffers this large get their own mapping, unmapped when freed
+HOST_TRIM_THRESHOLD = 32 << 20  # free memory kept at the top of the heap for the next step
 
 
-def return_large_buffers_to_os() -> bool:
-    """On a CPU run, make glibc hand freed large buffers back to the OS.
+def tune_host_allocator() -> bool:
+    """On a CPU run, fix glibc's allocator thresholds instead of letting them drift.
 
-    glibc raises its mmap threshold after each large free (up to 32 MiB), so later buffers of
-    that size come from the heap and stay resident once freed. ZeRO's gathered layers, gradient
-    buckets and the gloo collectives' copies are such buffers: with the threshold fixed, ZeRO-3's
-    peak per rank on 2 CPU ranks drops ~10% (benchmarks/memory.py). A threshold the user set
-    (MALLOC_MMAP_THRESHOLD_) wins. Returns True when the setting was applied.
+    By default glibc starts at a 128 KiB mmap threshold and raises it after each large free,
+    trimming the heap whenever 2x that is free at its top. A training step frees and re-makes
+    the same buffers every step (gradients, optimizer temporaries), so with those defaults many
+    of them are unmapped and page-faulted in again each step, while ZeRO's 15-32 MiB buckets and
+    gloo's copies of them end up in the heap and stay resident. Fixed thresholds keep buffers
+    below 16 MiB in the heap for reuse and give larger ones back when freed: measured in
+    benchmarks/ (same process, same model), a 1.3 M-parameter MLP step ran ~30% faster and
+    ZeRO-3's peak on 2 ranks for a 30 M MLP was ~5% lower. Any MALLOC_*_ variable the user set
+    wins (glibc then uses theirs). Returns True when the settings were applied.
     """
-    if cuda_available() or not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+    if cuda_available() or not sys.platform.startswith("linux"):
+        return False
+    if any(key.startswith("MALLOC_") and key.endswith("_") for key in os.environ):
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
-        m_mmap_threshold = -3
-        return bool(libc.mallopt(m_mmap_threshold, HOST_MMAP_THRESHOLD))
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        return bool(libc.mallopt(m_mmap_threshold, HOST_MMAP_THRESHOLD)) and bool(
+            libc.mallopt(m_trim_threshold, HOST_TRIM_THRESHOLD)
+        )
     except (OSError, AttributeError):  # not glibc
         return False
 
@@ -165,7 +174,7 @@ def init_process_group(timeout_s: float = 300.0) -> None:
                 _owned_env.append(key)
     if cuda_available():
         torch.cuda.set_device(device())
-    return_large_buffers_to_os()
+    tune_host_allocator()
     import deepspeed
     import deepspeed.ops
 

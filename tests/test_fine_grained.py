@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import sys
@@ -85,12 +86,15 @@ def test_run_logs_loss_metrics_and_fetches():
     loader = engine.dataloader(train, batch_size=32, shuffle=True, mode="train")
     engine.prepare(mode="train")
     batch = next(iter(loader))
+    reference = copy.deepcopy(engine.module)  # the same weights in plain torch: the expected gradient norm
+    torch.nn.functional.cross_entropy(reference(batch[0]), batch[1]).backward()
+    expected = torch.cat([p.grad.flatten() for p in reference.parameters()]).norm().item()
     logs = engine.run(batch, mode="train", fetch_list=["features.0", "lr", "grad_norm", "loss_scale"])
     assert set(logs) == {"loss", "accuracy", "fetches"}
     assert isinstance(logs["loss"], float)
     assert logs["fetches"]["features.0"].shape == (32, 32)  # the first Linear's output for the batch
     assert logs["fetches"]["lr"] == pytest.approx(1e-2)
-    assert logs["fetches"]["grad_norm"] > 0
+    assert logs["fetches"]["grad_norm"] == pytest.approx(expected, rel=1e-5)
     assert logs["fetches"]["loss_scale"] == 1.0
 
 
