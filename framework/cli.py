@@ -34,7 +34,7 @@ from framework.callbacks import Callback, TrainState
 from framework.checkpoint import install_preemption_handler
 from framework.config import GROUPS, check_group_choice, check_override, check_schema, register_configs
 from framework.engine import Engine, model_init_context, strategy_for_this_machine
-from framework.launch import WorkerFailed, check_devices, join_slurm_tasks, spawn
+from framework.launch import WorkerFailed, check_devices, check_launched_devices, join_slurm_tasks, spawn
 from framework.loggers import MetricsFile
 from framework.loops import NonFiniteLoss
 from framework.strategy import ConfigError, Strategy, batch_layout, deepspeed_config
@@ -306,11 +306,8 @@ def train(cfg: DictConfig, output_dir: str | None, context: dict[str, Any] | Non
     strategy = strategy_for_this_machine(Strategy.from_config(cfg.strategy))
     with dev.process_group(timeout_s=t.timeout_s):
         batch_layout(strategy, int(t.batch_size), dev.world_size())
-        if dev.world_size() > 1 and dev.launched() and t.devices not in (1, dev.world_size()):
-            raise ConfigError(
-                f"trainer.devices={t.devices} but the launcher started {dev.world_size()} processes; "
-                f"drop trainer.devices or set it to {dev.world_size()}"
-            )
+        if dev.launched():
+            check_launched_devices(int(t.devices))
         out = Path(dev.broadcast_object(output_dir or os.path.join("outputs", "run")))
         main = dev.is_main_process()
         context = dict(

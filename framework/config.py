@@ -25,9 +25,12 @@ GROUPS = (
     "optimizer",
     "scheduler",
     "trainer",
+    "loss",
+    "metrics",
     "logger",
     "callbacks",
     "experiment",
+    "hparams_search",
 )
 
 

@@ -101,6 +101,15 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", 1))
 
 
+def local_world_size() -> int:
+    """Processes of this job on this machine, as the launcher set them (torchrun, submitit:
+    LOCAL_WORLD_SIZE; DeepSpeed's launcher: LOCAL_SIZE); the whole world when none says."""
+    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return world_size()
+
+
 def local_rank() -> int:
     """Rank of this process on its machine."""
     return int(os.environ.get("LOCAL_RANK", 0))

@@ -49,6 +49,19 @@ def check_devices(devices: int) -> None:
         )
 
 
+def check_launched_devices(devices: int) -> None:
+    """Under a launcher, `trainer.devices` (processes per machine) must agree with what it started
+    on this machine; 1 (the default) always agrees."""
+    local = dev.local_world_size()
+    if devices not in (1, local):
+        nodes = dev.world_size() // max(local, 1)
+        where = f" on this machine ({dev.world_size()} in all)" if nodes > 1 else ""
+        raise ConfigError(
+            f"trainer.devices={devices} but the launcher started {local} processes{where}; "
+            f"drop trainer.devices or set it to {local} (it counts processes per machine)"
+        )
+
+
 def spawn(entrypoint: Callable[..., Any], args: tuple[Any, ...], nproc: int, timeout_s: float = 300.0) -> Any:
     """Run `entrypoint(*args)` in `nproc` local workers under torch's elastic launcher and return
     rank 0's return value. A failing worker ends the job (the others are stopped) with a

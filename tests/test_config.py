@@ -25,6 +25,27 @@ def test_groups_match_the_defaults_list():
     for group in GROUPS:
         assert f"- {group}:" in defaults, group
         assert (CONF / group).is_dir(), group
+    listed = {
+        line.split("-", 1)[1].split(":")[0].strip()
+        for line in defaults.splitlines()
+        if ": " in line and line.startswith("  - ")
+    }
+    assert listed == set(GROUPS)  # every group of the defaults list takes both `+g=x` and `g=x`
+
+
+@pytest.mark.parametrize(
+    "form", ["+metrics=none", "+loss=lm", "+hparams_search=optuna", "+callbacks=early_stopping"]
+)
+def test_plus_form_works_for_every_group(compose, form):
+    from framework.cli import normalize_overrides
+
+    group, option = form[1:].split("=")
+    assert normalize_overrides([form]) == [f"{group}={option}"]
+    cfg = compose([form])  # without the rewrite Hydra fails: "Multiple values for {group}"
+    if group == "hparams_search":  # a global package: it sets keys elsewhere
+        assert cfg.trainer.monitor == "val_loss"
+    else:
+        assert cfg[group] is not None
 
 
 def test_default_composition(compose):

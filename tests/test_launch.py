@@ -12,7 +12,7 @@ import time
 import pytest
 import yaml
 
-from framework import device
+from framework import ConfigError, device
 from framework.cli import launch_job
 
 from .conftest import FAST, ROOT, final_metrics, run_cmd, run_train, subprocess_env
@@ -185,3 +185,24 @@ def test_submitit_local_launcher_runs_a_job(tmp_path):
     run = run_cmd([sys.executable, str(ROOT / "train.py"), *args], timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
     assert final_metrics(tmp_path / "0")["step"] == 22
+
+
+def test_devices_under_a_launcher_count_processes_per_machine(monkeypatch):
+    from framework.launch import check_launched_devices
+
+    # two machines of four processes each (torchrun --nnodes=2 --nproc-per-node=4, or Slurm)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    check_launched_devices(4)  # the README's Slurm command: trainer.devices=4 hydra.launcher.nodes=2
+    check_launched_devices(1)  # the default always agrees
+    with pytest.raises(
+        ConfigError, match=r"started 4 processes on this machine \(8 in all\); .* set it to 4"
+    ):
+        check_launched_devices(8)
+    # DeepSpeed's launcher says LOCAL_SIZE; with neither, the whole world is on this machine
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setenv("LOCAL_SIZE", "2")
+    with pytest.raises(ConfigError, match="started 2 processes on this machine"):
+        check_launched_devices(4)
+    monkeypatch.delenv("LOCAL_SIZE")
+    check_launched_devices(8)
