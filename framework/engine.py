@@ -30,6 +30,7 @@ from framework import data as data_lib
 from framework import device as dev
 from framework import loops
 from framework import pipeline as pipeline_lib
+from framework import recompute as recompute_lib
 from framework.callbacks import Callback, Event, TrainState
 from framework.steps import resolve_step, takes_iterator
 from framework.strategy import (
@@ -262,6 +263,8 @@ class Engine:
             load_universal=self.load_universal,
         )
         self.module.to(dev.device())
+        if self.strategy.recompute.enable and not self.strategy.uses_pipeline:
+            recompute_lib.enable(self.module)
         if self.strategy.compile:
             self.module.compile()
         module = self.module

@@ -59,7 +59,8 @@ def build_pipeline_module(
             num_stages=p.stages,
             loss_fn=loss_fn,
             partition_method=p.partition_method,
-            activation_checkpoint_interval=p.activation_checkpoint_interval,
+            # recompute.enable alone recomputes every layer; an explicit interval wins
+            activation_checkpoint_interval=p.activation_checkpoint_interval or int(strategy.recompute.enable),
         )
     for key, tied in getattr(pipe, "tied_modules", {}).items():
         source = getattr(model, key, None)

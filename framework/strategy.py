@@ -281,8 +281,8 @@ def auto_sizes(num_params: int, largest_param: int) -> dict[str, int]:
       persistence threshold     = 10 x sqrt(L)    biases / norms stay whole, like HF's 10 x hidden
       sub group                 = P / 4           optimizer step in ~4 chunks (matters under offload)
     DeepSpeed's own defaults (5e8-element buckets, 1e9 live and reuse distance) are sized for
-    large GPUs: with them every layer of a 30 M model stays gathered from forward to backward, and
-    ZeRO-3's peak on 2 CPU ranks was 15% above ZeRO-0's (benchmarks/memory.py).
+    large GPUs: with them ZeRO-3's peak on 2 CPU ranks for a 30 M MLP was 15% above ZeRO-0's,
+    with this rule ~4% below it (benchmarks/memory.py).
     """
 
     def clamp(n: int) -> int:

@@ -146,3 +146,55 @@ def test_freed_large_buffers_go_back_to_the_os_on_cpu():
 def test_allocator_setting_respects_the_users_malloc_variables(monkeypatch):
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     assert device.tune_host_allocator() is False
+
+
+def _gpt_steps(
+    stage: int, recompute: bool, steps: int = 3
+) -> tuple[list[float], dict[str, torch.Tensor], int]:
+    from framework.models import GPT, LMLoss
+
+    torch.manual_seed(0)
+    model = GPT(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1)
+    calls = []
+    for block in model.blocks:
+        block.register_forward_hook(lambda *_: calls.append(1))
+    engine = Engine(
+        model,
+        LMLoss(),
+        functools.partial(torch.optim.AdamW, lr=1e-2),
+        strategy=Strategy(sharding={"stage": stage}, recompute={"enable": recompute}),
+    )
+    engine.prepare("train", 8)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        ids = torch.randint(0, 32, (8, 17), generator=g)
+        losses.append(engine.run((ids[:, :-1], ids[:, 1:]), mode="train")["loss"])
+    from framework.checkpoint import full_state_dict
+
+    weights = {k: v.detach().clone() for k, v in full_state_dict(engine).items()}
+    device.destroy_process_group()
+    return losses, weights, len(calls)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_recompute_reruns_each_block_in_backward_and_changes_no_number(stage):
+    plain_losses, plain_weights, plain_calls = _gpt_steps(stage, recompute=False)
+    losses, weights, calls = _gpt_steps(stage, recompute=True)
+    assert plain_calls == 3 * 2  # 3 steps x 2 blocks
+    assert calls == 2 * plain_calls  # each block ran again in backward (hooks included: ZeRO-3 gathers)
+    assert losses == plain_losses  # dropout replayed with the same RNG state
+    assert weights.keys() == plain_weights.keys()  # no wrapper in the names: checkpoints interchange
+    for name, value in weights.items():
+        assert torch.equal(value, plain_weights[name]), name
+
+
+def test_recompute_without_blocks_is_a_clear_error():
+    engine = Engine(
+        MLP(hidden=[16]),
+        torch.nn.CrossEntropyLoss(),
+        functools.partial(torch.optim.AdamW, lr=1e-2),
+        strategy=Strategy(recompute={"enable": True}),
+    )
+    with pytest.raises(ConfigError, match="MLP has no blocks to recompute"):
+        engine.prepare("train", 8)

@@ -1,0 +1,63 @@
+"""Activation recomputation (`strategy.recompute.enable`) for models run outside the pipeline
+engine (the pipeline engine recomputes its own layers: `activation_checkpoint_interval`).
+
+Each recomputed unit keeps only its inputs during the forward pass and runs again in backward.
+The unit's whole call is recomputed, module hooks included, the way Hugging Face checkpoints a
+layer's `__call__`: under ZeRO-3, DeepSpeed's hooks gather the unit's parameters again for the
+recomputation. Module names, parameters and `state_dict` keys do not change, so checkpoints
+move freely between runs with and without recompute.
+
+Units: what the model's `recompute_units()` returns, else every block of each `nn.ModuleList`
+(transformer layers and the like).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from framework.strategy import ConfigError
+
+
+def _recomputed_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    if self.training and torch.is_grad_enabled():
+        # early_stop=False: the recomputation runs to the end, so the module's post-forward hooks
+        # (ZeRO-3 releases the gathered parameters there) run as in the first forward.
+        return checkpoint(nn.Module.__call__, self, *args, use_reentrant=False, early_stop=False, **kwargs)
+    return nn.Module.__call__(self, *args, **kwargs)
+
+
+_classes: dict[type, type] = {}
+
+
+def _recomputed_class(cls: type) -> type:
+    # `__call__` is looked up on the type: a subclass per model class carries the override, and
+    # isinstance / the class name seen in reprs stay what the user wrote.
+    if cls not in _classes:
+        _classes[cls] = type(cls.__name__, (cls,), {"__call__": _recomputed_call, "_recomputed": True})
+    return _classes[cls]
+
+
+def recompute_units(model: nn.Module) -> list[nn.Module]:
+    """The modules whose activations are recomputed (see the module doc)."""
+    declared = getattr(model, "recompute_units", None)
+    if callable(declared):
+        return list(declared())
+    return [block for module in model.modules() if isinstance(module, nn.ModuleList) for block in module]
+
+
+def enable(model: nn.Module) -> list[nn.Module]:
+    """Make every unit of `model` recompute its activations in backward; returns the units."""
+    units = recompute_units(model)
+    if not units:
+        raise ConfigError(
+            f"strategy.recompute.enable=true but {type(model).__name__} has no blocks to recompute: "
+            "give it an nn.ModuleList of blocks or a recompute_units() method returning them"
+        )
+    for unit in units:
+        if not getattr(unit, "_recomputed", False):
+            unit.__class__ = _recomputed_class(type(unit))
+    return units
