@@ -32,7 +32,14 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from framework import device as dev
 from framework.callbacks import Callback, TrainState
 from framework.checkpoint import install_preemption_handler
-from framework.config import GROUPS, check_group_choice, check_override, check_schema, register_configs
+from framework.config import (
+    GROUPS,
+    check_group_choice,
+    check_override,
+    check_schema,
+    check_untyped_keys,
+    register_configs,
+)
 from framework.engine import Engine, model_init_context, strategy_for_this_machine
 from framework.launch import WorkerFailed, check_devices, check_launched_devices, join_slurm_tasks, spawn
 from framework.loggers import MetricsFile
@@ -80,6 +87,7 @@ def prepare_argv(argv: list[str] | None = None) -> None:
             if not item.startswith("-"):
                 check_override(item)
                 check_group_choice(item, conf_dir)
+        check_untyped_keys(argv[1:], conf_dir)
     except ConfigError as exc:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise

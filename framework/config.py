@@ -191,6 +191,76 @@ def check_override(item: str) -> None:
         raise ConfigError(f"{full}={value}: expected {_SCALARS[scalar]}") from None
 
 
+def check_untyped_keys(overrides: list[str], conf_dir: Any) -> None:
+    """Reject `group.key=value` overrides of the untyped groups (model, optimizer, data.dataset,
+    ...) whose key the chosen option does not have, naming the nearest key. Composes the
+    chosen options once (only when such an override is present); any other composition
+    problem is left for Hydra to report."""
+    import difflib
+
+    from omegaconf import DictConfig
+
+    from framework.strategy import ConfigError
+
+    typed = ("trainer", "data", "strategy")
+    targets = []
+    for item in overrides:
+        if item.startswith(("+", "~", "-")):
+            continue
+        key, sep, _ = item.partition("=")
+        parts = key.split(".")
+        if not sep or len(parts) < 2 or parts[0] not in GROUPS or "/" in key:
+            continue
+        if parts[0] in typed and _schema_field(parts) is not None:
+            continue  # typed: check_override's job
+        targets.append(parts)
+    if not targets:
+        return
+    choices, unsure = [], set()
+    for item in overrides:
+        key, sep, value = item.lstrip("+").partition("=")
+        if not sep or key not in GROUPS:
+            continue
+        if value.startswith("[") or "," not in value:
+            choices.append(f"{key}={value}")  # an option, or a list of them
+        elif "(" not in value:
+            choices.append(f"{key}={value.split(',')[0]}")  # a sweep: its first option
+        else:
+            unsure.add(key)  # glob(...)/range(...) sweeps: leave this group's keys to Hydra
+    targets = [parts for parts in targets if parts[0] not in unsure]
+    try:
+        from hydra import compose, initialize_config_dir
+        from hydra.core.global_hydra import GlobalHydra
+
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
+            cfg = compose(config_name="train", overrides=choices)
+    except Exception:  # noqa: BLE001 - Hydra will report it, with its own message
+        return
+    finally:
+        GlobalHydra.instance().clear()
+    for parts in targets:
+        node: Any = cfg
+        for depth, part in enumerate(parts):
+            if not isinstance(node, DictConfig):
+                break
+            known = [str(k) for k in node.keys()]  # (`in` is False for a ??? value)
+            if part not in known:
+                where = ".".join(parts[:depth])
+                close = difflib.get_close_matches(part, known, n=1)
+                hint = f"did you mean '{where}.{close[0]}'? " if close else ""
+                raise ConfigError(
+                    f"unknown config key '{'.'.join(parts)}'; {hint}valid keys here: {', '.join(known)} "
+                    f"(to add a new key write +{'.'.join(parts)}=...)"
+                )
+            if depth == len(parts) - 1:
+                break
+            try:
+                node = node[part]
+            except Exception:  # noqa: BLE001 - a ??? or an interpolation: nothing more to check
+                break
+
+
 def typing_optional(tp: Any) -> Any:
     """X for `X | None`, else None."""
     import typing

@@ -14,7 +14,16 @@ from .conftest import FAST, ROOT, final_metrics, run_cmd, run_train, subprocess_
 
 ERRORS = {
     "unknown option": (["model=resnet"], ["unknown model 'resnet'", "cnn, gpt, mlp"]),
+    "unknown option, + form": (["+metrics=f1"], ["unknown metrics 'f1'", "accuracy, none"]),
     "typo'd key": (["trainer.epoch=3"], ["trainer.epoch", "did you mean 'trainer.epochs'"]),
+    "typo'd key, untyped group": (
+        ["model=cnn", "optimizer.lrr=1"],
+        ["optimizer.lrr", "did you mean 'optimizer.lr'"],
+    ),
+    "typo'd key of the chosen option": (
+        ["model=cnn", "model.hiden=3"],
+        ["model.hiden", "valid keys here", "channels"],
+    ),
     "wrong type": (["trainer.batch_size=big"], ["trainer.batch_size=big", "expected an integer"]),
     "uneven batch": (
         ["trainer.batch_size=100", "strategy.gradient_merge.k_steps=8"],
