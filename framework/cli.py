@@ -350,6 +350,7 @@ def train(cfg: DictConfig, output_dir: str | None, context: dict[str, Any] | Non
             strategy=strategy,
             scheduler=_instantiate_optional(cfg.scheduler),
             train_step=_instantiate_optional(cfg.step),
+            eval_step=_instantiate_optional(cfg.eval_step),
             callbacks=callbacks,
             seed=t.seed,
             prefetch=cfg.data.prefetch,

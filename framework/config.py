@@ -90,6 +90,7 @@ class TrainConfig:
     logger: dict[str, Any] = field(default_factory=dict)
     callbacks: dict[str, Any] = field(default_factory=dict)
     step: Any = None  # a custom training step: {_target_: my.step, _partial_: true}
+    eval_step: Any = None  # a custom validation step, the same way
     dry_run: bool = False  # print the per-rank memory estimate and the DeepSpeed config, then exit
 
 

@@ -148,7 +148,9 @@ class Engine:
         metrics: torchmetrics metric(s), a list or a {name: metric} dict.
         strategy: a `Strategy`, a dict of its sections, or None for plain data parallel.
         scheduler: a factory `scheduler(optimizer[, total_steps=N])` stepped once per optimizer step.
-        train_step / eval_step: custom steps (see `framework.steps`); default: loss(model(x), y).
+        train_step / eval_step / predict_step: custom steps (see `framework.steps`); default:
+            loss(model(x), y), and model(x) for predict. A predict step returns the outputs of the
+            batch(es) it pulled, their samples first to last.
         callbacks: `Callback`s (loggers are callbacks too).
         seed: seed of the data shuffling.
         prefetch: batches kept ready on the device ahead of the step.
@@ -165,6 +167,7 @@ class Engine:
         scheduler: Callable[..., Any] | None = None,
         train_step: Callable[..., Any] | None = None,
         eval_step: Callable[..., Any] | None = None,
+        predict_step: Callable[..., Any] | None = None,
         callbacks: Iterable[Callback] | None = None,
         seed: int = 0,
         prefetch: int = 2,
@@ -180,6 +183,7 @@ class Engine:
         )
         self.train_step_fn = resolve_step(train_step, model, "training_step")
         self.eval_step_fn = resolve_step(eval_step, model, "validation_step")
+        self.predict_step_fn = resolve_step(predict_step, model, "predict_step")
         if self.strategy.uses_pipeline and (self.train_step_fn is not None or self.eval_step_fn is not None):
             raise ConfigError(
                 "custom training/validation steps cannot run with pipeline parallelism: "

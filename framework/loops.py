@@ -316,6 +316,10 @@ def _evaluate_pipeline(
     return {"loss": dev.all_reduce_mean(sum(losses) / len(losses))} if losses else {}
 
 
+def _real_in(loader: Any, batch: Any) -> int:
+    return loader.last_real if loader.last_real is not None else data_lib.batch_size_of(batch)
+
+
 @torch.no_grad()
 def predict(
     engine: Engine, data: Any, batch_size: int, steps: int | None, collate_fn: Callable | None
@@ -332,11 +336,26 @@ def predict(
         data, batch_size=batch_size, collate_fn=collate_fn, steps_per_epoch=steps, mode="predict"
     )
     mine: list[torch.Tensor] = []
-    for batch in loader:
-        inputs, _ = data_lib.split_batch(batch)
-        outputs = engine.model(*inputs)
-        if loader.last_real:
-            mine.append(outputs[: loader.last_real].detach().float().cpu())
+    step_fn = engine.predict_step_fn
+    if step_fn is None:
+        for batch in loader:
+            inputs, _ = data_lib.split_batch(batch)
+            outputs = engine.model(*inputs)
+            if loader.last_real:
+                mine.append(outputs[: loader.last_real].detach().float().cpu())
+    else:  # a custom predict step, given one batch or the iterator
+        real: list[int] = []  # real samples of each batch the current call pulled
+        batches = BatchIterator(iter(loader), lambda batch: real.append(_real_in(loader, batch)))
+        iterator_step = takes_iterator(step_fn)
+        while True:
+            real.clear()
+            try:
+                outputs = step_fn(engine, batches) if iterator_step else step_fn(engine, next(batches))
+            except StopIteration:
+                break
+            # An evaluation shard pads only its last batches, so the real samples come first.
+            if outputs is not None and sum(real):
+                mine.append(outputs[: sum(real)].detach().float().cpu())
     engine.model.train(was_training)
     shards = [torch.cat(s) if s else None for s in dev.all_gather_object(mine)]
     present = [s for s in shards if s is not None]

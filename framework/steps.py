@@ -1,7 +1,7 @@
 """Step flavours and the batch iterator a step consumes.
 
 * batch step      ``step(engine, batch)``: the default (`loss(model(*inputs), labels)`), or a
-                  model's ``training_step(batch)``.
+                  model's ``training_step(batch)`` / ``validation_step`` / ``predict_step``.
 * iterator step   any step with a parameter named ``dataloader_iter``: it pulls 0, 1 or many
                   batches per call from a `BatchIterator`, which counts every fetch (progress,
                   logs, exact resume) and hands out batches already on the device, prefetched
@@ -37,7 +37,8 @@ def takes_iterator(fn: Callable[..., Any]) -> bool:
 def resolve_step(
     user_step: Callable[..., Any] | None, module: torch.nn.Module, method: str
 ) -> Callable | None:
-    """The step to use: an explicit one, else the model's `training_step`/`validation_step`, else None
+    """The step to use: an explicit one, else the model's `method` (training_step, validation_step,
+    predict_step), else None
     (the framework's default batch step). A model method gets the engine as first argument like
     a free function does, so both are called as `step(engine, batch_or_iter)`."""
     if user_step is not None:

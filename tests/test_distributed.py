@@ -57,3 +57,13 @@ def test_manual_backward_backward_step_matches_torch_at_every_stage(tmp_path, np
         errors = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert set(errors) == {"0", "1", "2", "3"}
         assert max(errors.values()) < 1e-6, errors
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_predict_steps_return_outputs_in_dataset_order(tmp_path, nproc):
+    script = str(ROOT / "tests" / "scripts" / "predict_steps.py")
+    cmd = [*torchrun(2), script, str(tmp_path)] if nproc == 2 else [sys.executable, script, str(tmp_path)]
+    run = run_cmd(cmd, timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads((tmp_path / "predict.json").read_text())
+    assert result == {"default": True, "iterator": True, "model method": True, "world_size": nproc}

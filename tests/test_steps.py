@@ -168,6 +168,15 @@ def test_iterator_step_from_config_counts_fetched_batches(tmp_path):
     assert final_metrics(tmp_path)["batches"] == 22 and final_metrics(tmp_path)["step"] == 11
 
 
+def test_eval_step_from_config_replaces_the_default_validation(tmp_path):
+    step = "eval_step={_target_:examples.iterator_step.two_batch_eval_step,_partial_:true}"
+    run = run_train([step, *FAST], tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    final = final_metrics(tmp_path)
+    assert 0 < final["val_loss"] < 2.0  # what the custom step returned, averaged
+    assert "val_accuracy" not in final  # the default step (which updates the metrics) did not run
+
+
 # ---------------------------------------------------------------- pipeline
 
 
