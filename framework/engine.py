@@ -515,8 +515,10 @@ class Engine:
         `epochs` epochs; prepares `mode` if it is not prepared yet.
 
         Train batches hold batch_size / data-parallel ranks samples (`run` splits them into the
-        accumulation steps); every train batch is full. Eval/predict shards cover each sample
-        once (`run` ignores the padding that evens them out)."""
+        accumulation steps); every train batch is full, whatever `drop_last` says (DeepSpeed
+        steps a fixed micro-batch, so an incomplete last batch is always left out). Eval/predict
+        shards cover each sample once, also the last incomplete batch (`run` ignores the padding
+        that evens them out). `drop_last` is kept for the signature Paddle users know."""
         check_mode(mode)
         dev.init_process_group()
         if mode == "train":

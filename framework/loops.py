@@ -344,18 +344,19 @@ def predict(
             if loader.last_real:
                 mine.append(outputs[: loader.last_real].detach().float().cpu())
     else:  # a custom predict step, given one batch or the iterator
-        real: list[int] = []  # real samples of each batch the current call pulled
-        batches = BatchIterator(iter(loader), lambda batch: real.append(_real_in(loader, batch)))
+        pulled: list[int] = []  # real samples of each batch the current call pulled
+        batches = BatchIterator(iter(loader), lambda batch: pulled.append(_real_in(loader, batch)))
         iterator_step = takes_iterator(step_fn)
         while True:
-            real.clear()
+            pulled.clear()
             try:
                 outputs = step_fn(engine, batches) if iterator_step else step_fn(engine, next(batches))
             except StopIteration:
                 break
             # An evaluation shard pads only its last batches, so the real samples come first.
-            if outputs is not None and sum(real):
-                mine.append(outputs[: sum(real)].detach().float().cpu())
+            real = int(sum(pulled))
+            if outputs is not None and real:
+                mine.append(outputs[:real].detach().float().cpu())
     engine.model.train(was_training)
     shards = [torch.cat(s) if s else None for s in dev.all_gather_object(mine)]
     present = [s for s in shards if s is not None]
