@@ -16,6 +16,7 @@ import math
 import os
 import random
 import re
+import signal
 import sys
 import threading
 import traceback
@@ -41,7 +42,14 @@ from framework.config import (
     register_configs,
 )
 from framework.engine import Engine, model_init_context, strategy_for_this_machine
-from framework.launch import WorkerFailed, check_devices, check_launched_devices, join_slurm_tasks, spawn
+from framework.launch import (
+    Interrupted,
+    WorkerFailed,
+    check_devices,
+    check_launched_devices,
+    join_slurm_tasks,
+    spawn,
+)
 from framework.loggers import MetricsFile
 from framework.loops import NonFiniteLoss
 from framework.strategy import ConfigError, Strategy, batch_layout, deepspeed_config
@@ -141,6 +149,10 @@ def run(cfg: DictConfig) -> float | None:
         return _fail(_explain(exc), show=dev.rank() == 0 or not isinstance(exc, ConfigError))
     except WorkerFailed as exc:
         return _fail(str(exc), show=not exc.printed)
+    except Interrupted as exc:
+        if exc.signum == signal.SIGTERM:  # preemption: the workers saved and rank 0 said where
+            return None
+        sys.exit(128 + exc.signum)
 
 
 def _fail(message: str, show: bool) -> float:

@@ -28,6 +28,15 @@ class WorkerFailed(RuntimeError):
         self.printed = printed  # the worker already printed a one-line reason
 
 
+class Interrupted(RuntimeError):
+    """The launching process got a signal; torch elastic passed it on to the workers (which save a
+    checkpoint on SIGTERM, see framework.checkpoint) and waited for them."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"interrupted by signal {signum}")
+        self.signum = signum
+
+
 def join_slurm_tasks() -> None:
     """Inside a submitit/Slurm job with several tasks, export the rendezvous variables so the
     tasks join one process group (one task per device, any number of nodes)."""
@@ -66,6 +75,7 @@ def spawn(entrypoint: Callable[..., Any], args: tuple[Any, ...], nproc: int, tim
     """Run `entrypoint(*args)` in `nproc` local workers under torch's elastic launcher and return
     rank 0's return value. A failing worker ends the job (the others are stopped) with a
     `WorkerFailed` naming its rank."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -91,6 +101,8 @@ def spawn(entrypoint: Callable[..., Any], args: tuple[Any, ...], nproc: int, tim
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     try:
         results = elastic_launch(config, entrypoint)(*args)
+    except SignalException as exc:
+        raise Interrupted(int(exc.sigval)) from None
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         if failure.error_file_data:  # an exception: its traceback, as the worker recorded it

@@ -130,8 +130,10 @@ def test_a_damaged_checkpoint_given_by_path_names_the_file(tmp_path):
     assert "damaged" in run.stderr and "mp_rank_00_model_states.pt" in run.stderr
 
 
-def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
-    proc = start([*FAST, "trainer.epochs=5", SLOW], tmp_path)
+@pytest.mark.parametrize("devices", [1, 2])
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, devices):
+    # devices=2: the signal reaches the launching parent only; torch elastic forwards it
+    proc = start([*FAST, "trainer.epochs=5", SLOW, f"trainer.devices={devices}"], tmp_path)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (tmp_path / "metrics.jsonl").exists():
         time.sleep(0.05)
@@ -144,7 +146,9 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     saved = checkpoint.find_resumable(tmp_path / "checkpoints")
     step = json.loads((saved / "COMPLETE.json").read_text())["step"]
     assert 0 < step < 110
-    resumed = run_train([*FAST, "trainer.epochs=5", "trainer.resume=auto"], tmp_path)
+    resumed = run_train(
+        [*FAST, "trainer.epochs=5", "trainer.resume=auto", f"trainer.devices={devices}"], tmp_path
+    )
     assert resumed.returncode == 0 and final_metrics(tmp_path)["step"] == 110
 
 
