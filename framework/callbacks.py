@@ -6,6 +6,7 @@ Where each event fires in `Engine.fit`::
     for each epoch:
         EPOCH_START
         for each training step (one call of the step function, any number of batches):
+            STEP_START          before the call (a call that finds the epoch over has no STEP_END)
             STEP_END            state.logs holds the step's loss/lr/... ; set state.stop_training to stop
         VALIDATION_END          after validation, state.logs holds val_* (only when validation ran)
         EPOCH_END               state.logs holds the epoch summary; state.history is updated
@@ -31,6 +32,7 @@ class Event(str, Enum):
 
     FIT_START = "fit_start"
     EPOCH_START = "epoch_start"
+    STEP_START = "step_start"
     STEP_END = "step_end"
     VALIDATION_END = "validation_end"
     EPOCH_END = "epoch_end"
@@ -80,6 +82,9 @@ class Callback:
 
     def on_epoch_start(self, state: TrainState) -> None:
         """Before the first step of an epoch."""
+
+    def on_step_start(self, state: TrainState) -> None:
+        """Before each call of the step function."""
 
     def on_step_end(self, state: TrainState) -> None:
         """After each call of the step function."""

@@ -177,6 +177,7 @@ def train_epoch(
                 break
             fetched_before, steps_before = batches.fetched, engine.ds_engine.global_steps
             skipped_before = engine.ds_engine.skipped_steps
+            engine.fire(Event.STEP_START)
             try:
                 loss_value = consume_result(engine, step())
             except StopIteration:

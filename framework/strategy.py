@@ -273,7 +273,7 @@ def auto_sizes(num_params: int, largest_param: int) -> dict[str, int]:
     """Size-dependent ZeRO settings from the model, for settings left as "auto".
 
     Rule (documented in the README's strategy table), with P parameters and L the largest one,
-    every size clamped to 1e5 .. 5e8 elements:
+    every size clamped to 1e5 .. 5e8 elements and rounded up to a multiple of 64:
       reduce / allgather bucket = min(L, P / 8)   small: a gradient bucket is a transient copy
       ZeRO-3 prefetch bucket    = L               the next layer arrives while this one computes
       max live parameters       = 2 x prefetch    about two of the largest layers gathered at once
@@ -286,7 +286,8 @@ def auto_sizes(num_params: int, largest_param: int) -> dict[str, int]:
     """
 
     def clamp(n: int) -> int:
-        return int(min(max(n, 100_000), 500_000_000))
+        # a multiple of 64: DeepSpeed asserts alignment (ZeRO-1/2's allgather bucket must be even)
+        return -(-int(min(max(n, 100_000), 500_000_000)) // 64) * 64
 
     largest = max(int(largest_param), 1)
     bucket = clamp(min(largest, num_params // 8))
@@ -298,7 +299,7 @@ def auto_sizes(num_params: int, largest_param: int) -> dict[str, int]:
         "param_persistence_threshold": int(10 * math.isqrt(largest)),
         "max_live_parameters": 2 * prefetch,
         "max_reuse_distance": prefetch,
-        "sub_group_size": int(min(max(num_params // 4, 100_000), 1_000_000_000)),
+        "sub_group_size": -(-int(min(max(num_params // 4, 100_000), 1_000_000_000)) // 64) * 64,
     }
 
 

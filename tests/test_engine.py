@@ -198,3 +198,31 @@ def test_recompute_without_blocks_is_a_clear_error():
     )
     with pytest.raises(ConfigError, match="MLP has no blocks to recompute"):
         engine.prepare("train", 8)
+
+
+def test_optimizer_named_in_the_strategy_trains_without_an_optimizer_argument():
+    splits = synthetic(num_samples=256)
+    torch.manual_seed(0)
+    strategy = Strategy(deepspeed={"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+    engine = Engine(MLP(hidden=[32]), torch.nn.CrossEntropyLoss(), optimizer=None, strategy=strategy)
+    history = engine.fit(splits.train, splits.valid, epochs=3, batch_size=32)
+    assert isinstance(engine.ds_engine.optimizer, torch.optim.AdamW)  # DeepSpeed built torch's AdamW
+    assert engine.lr == pytest.approx(1e-2)
+    assert history["val_loss"][-1] < history["val_loss"][0]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_auto_buckets_suit_deepspeed_for_any_parameter_count(stage):
+    # 916,667 parameters: P / 8 is odd, and ZeRO-1/2 assert an even allgather bucket
+    model = MLP(in_features=256, hidden=[2001, 200])
+    assert sum(p.numel() for p in model.parameters()) // 8 % 2 == 1
+    engine = Engine(
+        model,
+        torch.nn.CrossEntropyLoss(),
+        functools.partial(torch.optim.SGD, lr=0.1),
+        strategy=Strategy(sharding={"stage": stage}),
+    )
+    engine.prepare("train", 8)
+    assert engine.deepspeed_config["zero_optimization"]["allgather_bucket_size"] == 114_624
+    loss = engine.run((torch.randn(8, 256), torch.randint(0, 10, (8,))), mode="train")["loss"]
+    assert loss > 0

@@ -35,6 +35,10 @@ class Recorder(Callback):
 
     def __init__(self):
         self.calls: list[tuple[int, int]] = []
+        self.starts: list[tuple[int, int]] = []
+
+    def on_step_start(self, state):
+        self.starts.append((state.global_step, state.batches_in_epoch))
 
     def on_step_end(self, state):
         self.calls.append((state.global_step, state.batches_in_epoch))
@@ -66,6 +70,8 @@ def test_two_batch_step_counts_calls_batches_and_steps():
     st = engine.state
     assert (st.step_calls, st.batches_fetched, st.global_step, st.samples_seen) == (10, 20, 10, 160)
     assert rec.calls == [(i, 2 * i) for i in range(1, 11)]  # progress sees every fetched batch
+    # each call starts where the last ended; the 11th finds the epoch over (no STEP_END)
+    assert rec.starts == [(i, 2 * i) for i in range(0, 11)]
 
 
 def test_max_steps_counts_optimizer_steps_for_an_iterator_step():

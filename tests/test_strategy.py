@@ -157,14 +157,14 @@ def test_pipeline_stages_must_divide_world_size():
 
 def test_auto_sizes_follow_the_documented_rule():
     small = auto_sizes(num_params=26_122, largest_param=16_384)
-    assert small == {
-        "reduce_bucket_size": 100_000,
-        "allgather_bucket_size": 100_000,
-        "prefetch_bucket_size": 100_000,
+    assert small == {  # the 1e5 floor, rounded up to a multiple of 64
+        "reduce_bucket_size": 100_032,
+        "allgather_bucket_size": 100_032,
+        "prefetch_bucket_size": 100_032,
         "param_persistence_threshold": 1_280,
-        "max_live_parameters": 200_000,
-        "max_reuse_distance": 100_000,
-        "sub_group_size": 100_000,
+        "max_live_parameters": 200_064,
+        "max_reuse_distance": 100_032,
+        "sub_group_size": 100_032,
     }
     big = auto_sizes(num_params=30_400_000, largest_param=4096 * 4096)
     assert big["reduce_bucket_size"] == big["allgather_bucket_size"] == 3_800_000  # P / 8 < L

@@ -33,6 +33,10 @@ ERRORS = {
         ["strategy=pipeline", "strategy.sharding.stage=3", "trainer.devices=2"],
         ["cannot run with ZeRO stage 3"],
     ),
+    "pipeline + ZeRO-2": (
+        ["strategy=pipeline", "strategy.sharding.stage=2", "trainer.devices=2"],
+        ["cannot run with ZeRO stage 2"],
+    ),
     "stages vs processes": (
         ["strategy=pipeline", "strategy.pipeline.stages=3", "trainer.devices=2"],
         ["stages=3 does not divide the 2 processes"],
