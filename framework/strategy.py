@@ -202,6 +202,12 @@ class Strategy:
                 "strategy.sharding.offload_optimizer needs ZeRO stage 1, 2 or 3 (got stage 0); "
                 "set strategy.sharding.stage>=1 or offload_optimizer=false"
             )
+        bucket = s.allgather_bucket_size
+        if s.stage in (1, 2) and bucket not in (None, "auto") and int(bucket) % 2:
+            raise ConfigError(
+                f"strategy.sharding.allgather_bucket_size={bucket}: ZeRO-1/2 need an even size "
+                f"(DeepSpeed aligns it); use {int(bucket) + 1}, or auto"
+            )
         if self.amp.dtype not in ("bf16", "fp16"):
             raise ConfigError(f"strategy.amp.dtype={self.amp.dtype!r} is not supported; use bf16 or fp16")
         if self.gradient_merge.k_steps < 1:

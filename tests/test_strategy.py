@@ -138,6 +138,10 @@ def test_recompute():
         ({"sharding": {"stage": 4}}, ["stage=4", "0, 1, 2 or 3"]),
         ({"sharding": {"stage": 2, "offload_params": True}}, ["offload_params", "stage 3"]),
         ({"sharding": {"stage": 0, "offload_optimizer": True}}, ["offload_optimizer", "stage 1, 2 or 3"]),
+        (
+            {"sharding": {"stage": 2, "allgather_bucket_size": 1001}},
+            ["allgather_bucket_size=1001", "use 1002"],
+        ),
         ({"amp": {"enable": True, "dtype": "fp8"}}, ["fp8", "bf16 or fp16"]),
         ({"pipeline": {"stages": 2}, "sharding": {"stage": 3}}, ["pipeline", "ZeRO stage 3", "0 and 1"]),
         ({"sharding": {"stagee": 3}}, ["stagee", "valid keys"]),
