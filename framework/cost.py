@@ -12,7 +12,10 @@ mixed precision at every stage and for ZeRO >= 1 in fp32 as well (measured)::
     2       p Ψ          p Ψ / N     (K + 4) Ψ / N
     3       p Ψ / N      p Ψ / N     (K + 4) Ψ / N
 
-plus, at stages 1 and 3, a reduce bucket of p x bucket elements that stays allocated.
+plus, at stages 1 and 3, a reduce bucket of p x bucket elements that stays allocated. At
+stage 1 with one micro-batch per optimizer step, DeepSpeed 0.19 reduces each gradient into its
+partition during the (boundary) backward and frees the full one, as at stage 2, so gradients
+take p Ψ / N there too (measured); with accumulation they stay whole until the step.
 
 Offloaded parts live in CPU memory instead of the device's.
 """
@@ -61,7 +64,8 @@ def model_state_bytes(
     master = 4 if (amp or stage >= 1) else 0
     k = optimizer_bytes_per_param
     params = p * psi / (n if stage == 3 else 1)
-    grads = p * psi / (n if stage >= 2 else 1)
+    partitioned_grads = stage >= 2 or (stage == 1 and strategy.accumulation_steps == 1)
+    grads = p * psi / (n if partitioned_grads else 1)
     optim = (k + master) * psi / (n if stage >= 1 else 1)
     buffers = 0.0
     if stage in (1, 3):  # a reduce bucket stays allocated (measured; ZeRO-2 frees its own)
