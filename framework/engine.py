@@ -642,6 +642,10 @@ class Engine:
             if mode == "eval":
                 _, loss = self.eval_batch(batch, real)
                 logs: dict[str, Any] = {"loss": loss, **self.compute_metrics()}
+            elif self.predict_step_fn is not None:  # the same step predict() uses
+                step_fn = self.predict_step_fn
+                outputs = step_fn(self, iter([batch])) if takes_iterator(step_fn) else step_fn(self, batch)
+                logs = {"outputs": outputs[:real]}
             else:
                 inputs, _ = data_lib.split_batch(batch)
                 logs = {"outputs": self.model(*inputs)[:real]}

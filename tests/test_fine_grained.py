@@ -285,3 +285,15 @@ def test_shard_dataloader_keeps_order_of_a_sequential_loader():
     assert labels.tolist() == list(range(40))
     with pytest.raises(TypeError, match="needs a torch DataLoader"):
         shard_dataloader([data[0]])
+
+
+def test_run_in_predict_mode_uses_the_predict_step():
+    def probabilities(engine, batch):
+        return engine.model(batch[0]).softmax(-1)
+
+    engine = make_engine(predict_step=probabilities)
+    engine.prepare(mode="predict")
+    x = torch.randn(8, 64)
+    out = engine.run((x, torch.zeros(8, dtype=torch.long)), mode="predict")["outputs"]
+    with torch.no_grad():
+        torch.testing.assert_close(out, engine.module(x).softmax(-1))
