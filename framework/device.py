@@ -201,12 +201,19 @@ def init_process_group(timeout_s: float = 300.0) -> None:
     _we_initialized = True
 
 
-def destroy_process_group() -> None:
-    """Tear down a group this module created (a 2-rank gloo exit without it can SIGABRT)."""
+def destroy_process_group(sync: bool = True, timeout_s: float = 30.0) -> None:
+    """Tear down a group this module created (a 2-rank gloo exit without it can SIGABRT).
+
+    `sync` (gloo): first wait, at most `timeout_s`, until every rank is here, so that no rank
+    exits and drops connections another rank's gloo threads still use (that too can SIGABRT the
+    slower rank). After a failure pass sync=False: the other ranks may sit in a collective, and
+    waiting for them would only delay the exit.
+    """
     global _we_initialized
     if _we_initialized and dist.is_initialized():
-        # No barrier first: after a failure on one rank the others may sit in a collective, and a
-        # barrier here would keep this rank alive (and the job hung) until the timeout.
+        if sync and dist.get_backend() == "gloo" and dist.get_world_size() > 1:
+            with contextlib.suppress(RuntimeError):  # a rank that never came: tear down anyway
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s))
         dist.destroy_process_group()
         _forget_deepspeed_groups()
     _we_initialized = False
@@ -279,5 +286,7 @@ def process_group(timeout_s: float = 300.0) -> Iterator[None]:
     init_process_group(timeout_s)
     try:
         yield
-    finally:
-        destroy_process_group()
+    except BaseException:
+        destroy_process_group(sync=False)
+        raise
+    destroy_process_group()
