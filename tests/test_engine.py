@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import subprocess
 import sys
 
 import pytest
@@ -226,3 +227,16 @@ def test_auto_buckets_suit_deepspeed_for_any_parameter_count(stage):
     assert engine.deepspeed_config["zero_optimization"]["allgather_bucket_size"] == 114_624
     loss = engine.run((torch.randn(8, 256), torch.randint(0, 10, (8,))), mode="train")["loss"]
     assert loss > 0
+
+
+def test_digits_are_scikit_learns_digits_without_importing_it():
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    from framework.datasets.classification import _shipped_digits
+
+    table, reference = _shipped_digits(), load_digits()
+    assert np.array_equal(table[:, :-1], reference.data) and np.array_equal(table[:, -1], reference.target)
+    code = "import sys; from framework.datasets import digits; digits(); print('sklearn' in sys.modules)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout.strip().splitlines()[-1] == "False"  # ~0.8 s of import a default run skips
