@@ -150,9 +150,12 @@ def run(cfg: DictConfig) -> float | None:
     except WorkerFailed as exc:
         return _fail(str(exc), show=not exc.printed)
     except Interrupted as exc:
-        if exc.signum == signal.SIGTERM:  # preemption: the workers saved and rank 0 said where
-            return None
-        sys.exit(128 + exc.signum)
+        # SIGTERM is preemption: the workers saved and rank 0 said where. Leave at once: the
+        # launcher's rendezvous store can still hold C++ threads that abort an ordinary
+        # interpreter exit ("terminate called without an active exception").
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0 if exc.signum == signal.SIGTERM else 128 + exc.signum)
 
 
 def _fail(message: str, show: bool) -> float:
