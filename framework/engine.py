@@ -32,7 +32,7 @@ from framework import loops
 from framework import pipeline as pipeline_lib
 from framework import recompute as recompute_lib
 from framework.callbacks import Callback, Event, TrainState
-from framework.steps import resolve_step, takes_iterator
+from framework.steps import bind_step, resolve_step
 from framework.strategy import (
     BatchLayout,
     ConfigError,
@@ -624,14 +624,9 @@ class Engine:
             self.model.train()
             assert self.layout is not None
             losses = []
-            step_fn = self.train_step_fn
+            call = bind_step(self.train_step_fn) if self.train_step_fn is not None else None
             for micro in split_micro_batches(batch, self.layout.accumulation_steps):
-                if step_fn is None:
-                    result: Any = self.default_train_step(micro)
-                elif takes_iterator(step_fn):
-                    result = step_fn(self, iter([micro]))
-                else:
-                    result = step_fn(self, micro)
+                result: Any = self.default_train_step(micro) if call is None else call(self, iter([micro]))
                 value = loops.consume_result(self, result)
                 if value is not None:
                     losses.append(value)
@@ -643,8 +638,7 @@ class Engine:
                 _, loss = self.eval_batch(batch, real)
                 logs: dict[str, Any] = {"loss": loss, **self.compute_metrics()}
             elif self.predict_step_fn is not None:  # the same step predict() uses
-                step_fn = self.predict_step_fn
-                outputs = step_fn(self, iter([batch])) if takes_iterator(step_fn) else step_fn(self, batch)
+                outputs = bind_step(self.predict_step_fn)(self, iter([batch]))
                 logs = {"outputs": outputs[:real]}
             else:
                 inputs, _ = data_lib.split_batch(batch)

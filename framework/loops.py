@@ -18,7 +18,7 @@ from framework import data as data_lib
 from framework import device as dev
 from framework import pipeline as pipeline_lib
 from framework.callbacks import Event
-from framework.steps import BatchIterator, Prefetcher, takes_iterator
+from framework.steps import BatchIterator, Prefetcher, bind_step
 from framework.strategy import ConfigError, batch_layout
 
 if TYPE_CHECKING:
@@ -228,10 +228,9 @@ def _train_step_caller(engine: Engine, batches: BatchIterator) -> Callable[[], A
     step_fn = engine.train_step_fn
     if engine.strategy.uses_pipeline:
         return lambda: float(pipeline_lib.train_batch(engine.ds_engine, batches))
-    if step_fn is not None and takes_iterator(step_fn):
-        return lambda: step_fn(engine, batches)
     if step_fn is not None:
-        return lambda: step_fn(engine, next(batches))
+        call = bind_step(step_fn)
+        return lambda: call(engine, batches)
     return lambda: engine.default_train_step(next(batches))
 
 
@@ -269,10 +268,10 @@ def evaluate(
     step_fn = engine.eval_step_fn
     if step_fn is not None:  # a custom validation step: average what it returns
         batches = BatchIterator(iter(loader), lambda batch: None)
-        iterator_step = takes_iterator(step_fn)
+        call = bind_step(step_fn)
         while True:
             try:
-                result = step_fn(engine, batches) if iterator_step else step_fn(engine, next(batches))
+                result = call(engine, batches)
             except StopIteration:
                 break
             value = result.get("loss") if isinstance(result, dict) else result
@@ -280,7 +279,7 @@ def evaluate(
                 loss_sum, count = loss_sum + float(value), count + 1
     else:
         for batch in loader:
-            real = loader.last_real if loader.last_real is not None else data_lib.batch_size_of(batch)
+            real = _real_in(loader, batch)
             _, batch_loss = engine.eval_batch(batch, real)
             if batch_loss is not None:
                 loss_sum, count = loss_sum + batch_loss * real, count + real
@@ -347,11 +346,11 @@ def predict(
     else:  # a custom predict step, given one batch or the iterator
         pulled: list[int] = []  # real samples of each batch the current call pulled
         batches = BatchIterator(iter(loader), lambda batch: pulled.append(_real_in(loader, batch)))
-        iterator_step = takes_iterator(step_fn)
+        call = bind_step(step_fn)
         while True:
             pulled.clear()
             try:
-                outputs = step_fn(engine, batches) if iterator_step else step_fn(engine, next(batches))
+                outputs = call(engine, batches)
             except StopIteration:
                 break
             # An evaluation shard pads only its last batches, so the real samples come first.

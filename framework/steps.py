@@ -34,6 +34,14 @@ def takes_iterator(fn: Callable[..., Any]) -> bool:
         return False
 
 
+def bind_step(step_fn: Callable[..., Any]) -> Callable[[Any, Iterator[Any]], Any]:
+    """`step_fn` as one call on an iterator of batches, its flavour decided once: an iterator
+    step gets the iterator, a batch step the iterator's next batch."""
+    if takes_iterator(step_fn):
+        return step_fn
+    return lambda engine, batches: step_fn(engine, next(batches))
+
+
 def resolve_step(
     user_step: Callable[..., Any] | None, module: torch.nn.Module, method: str
 ) -> Callable | None:

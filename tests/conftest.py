@@ -34,10 +34,10 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_cmd(cmd: list[str], timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run a command in its own process group; on timeout kill the whole group (launcher and
-    workers), so a hung multi-process run never outlives its test."""
-    proc = subprocess.Popen(
+def popen(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
+    """Start a command from the repo root in its own process group (so a launcher and its workers
+    can be killed together), output captured as text."""
+    return subprocess.Popen(
         cmd,
         cwd=ROOT,
         env=env or subprocess_env(),
@@ -46,6 +46,12 @@ def run_cmd(cmd: list[str], timeout: float = 240, env: dict | None = None) -> su
         text=True,
         start_new_session=True,
     )
+
+
+def run_cmd(cmd: list[str], timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run a command in its own process group; on timeout kill the whole group (launcher and
+    workers), so a hung multi-process run never outlives its test."""
+    proc = popen(cmd, env)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

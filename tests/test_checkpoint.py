@@ -20,7 +20,7 @@ from framework import checkpoint, device
 from framework.export import fp32_state_dict, load_weights
 from framework.models import MLP
 
-from .conftest import FAST, ROOT, final_metrics, run_cmd, run_train, subprocess_env
+from .conftest import FAST, ROOT, final_metrics, popen, run_cmd, run_train
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -33,16 +33,7 @@ def records(run_dir: Path) -> list[dict]:
 
 
 def start(args: list[str], run_dir: Path) -> subprocess.Popen:
-    cmd = [sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={run_dir}"]
-    return subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=subprocess_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    return popen([sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={run_dir}"])
 
 
 def kill_after(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 180) -> int:

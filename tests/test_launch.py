@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 import time
 
@@ -15,7 +14,7 @@ import yaml
 from framework import ConfigError, device
 from framework.cli import launch_job
 
-from .conftest import FAST, ROOT, final_metrics, run_cmd, run_train, subprocess_env
+from .conftest import FAST, ROOT, final_metrics, popen, run_cmd, run_train
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -59,7 +58,7 @@ def test_two_nodes_with_torchrun_match_one_node(tmp_path):
     port = device.free_port()
     args = ["+strategy=zero3", *FAST, f"hydra.run.dir={tmp_path / 'nodes'}"]
     procs = [
-        subprocess.Popen(
+        popen(
             [
                 sys.executable,
                 "-m",
@@ -71,13 +70,7 @@ def test_two_nodes_with_torchrun_match_one_node(tmp_path):
                 f"--rdzv-endpoint=127.0.0.1:{port}",
                 str(ROOT / "train.py"),
                 *args,
-            ],
-            cwd=ROOT,
-            env=subprocess_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
+            ]
         )
         for node in (0, 1)
     ]
