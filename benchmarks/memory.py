@@ -57,9 +57,8 @@ def worker(kind: str, stage: int, offload: bool, model_name: str, steps: int, ba
 
     from framework import Engine, Strategy, device
     from framework.cost import live_tensor_bytes, model_state_bytes
-    from framework.engine import model_init_context, param_counts, strategy_for_this_machine
     from framework.models import LMLoss
-    from framework.strategy import deepspeed_config
+    from framework.runtime import Runtime, param_counts
 
     quiet()
     device.init_process_group()
@@ -68,16 +67,18 @@ def worker(kind: str, stage: int, offload: bool, model_name: str, steps: int, ba
     target, kwargs = MODELS[model_name]
     world = device.world_size()
     strategy = Strategy(sharding={"stage": stage, "offload_optimizer": offload, "offload_params": offload})
+    runtime = Runtime(strategy)
     if kind == "ours":  # what the framework runs here: without an accelerator, offload is dropped
-        strategy = strategy_for_this_machine(strategy)
+        strategy = runtime.strategy
     loss_fn = LMLoss() if model_name.startswith("gpt") else torch.nn.CrossEntropyLoss()
     torch.manual_seed(0)
     if kind == "ours":
-        with model_init_context(strategy, deepspeed_config(strategy, batch, world)):
+        runtime.fix_layout(batch)
+        with runtime.init_context():
             model = get_class(target)(**kwargs)
-        engine = Engine(model, loss_fn, functools.partial(torch.optim.Adam, lr=1e-4), strategy=strategy)
+        engine = Engine(model, loss_fn, functools.partial(torch.optim.Adam, lr=1e-4), runtime=runtime)
         engine.prepare("train", batch)
-        ds = engine.ds_engine
+        ds = runtime.deepspeed_engine
     else:
         model = get_class(target)(**kwargs)
         zero: dict[str, Any] = {"stage": stage}

@@ -25,9 +25,10 @@ def worker(stage: int, steps: int, rounds: int, hidden: int, batch: int) -> dict
 
     from framework import Engine, Strategy, device
     from framework.data import train_loader
-    from framework.engine import param_counts
+    from framework.ds_config import deepspeed_config
     from framework.models import MLP
-    from framework.strategy import batch_layout, deepspeed_config
+    from framework.runtime import param_counts
+    from framework.strategy import batch_layout
 
     quiet()
     device.init_process_group()
@@ -43,7 +44,7 @@ def worker(stage: int, steps: int, rounds: int, hidden: int, batch: int) -> dict
     model_a = MLP(256, [hidden, hidden], 10)
     model_b = copy.deepcopy(model_a)
     numel, largest = param_counts(model_a)
-    config = deepspeed_config(strategy, batch, world, numel, largest)
+    config = deepspeed_config(strategy, layout, numel, largest)
     loss_fn = torch.nn.CrossEntropyLoss()
     raw, _, _, _ = deepspeed.initialize(
         model=model_a, optimizer=torch.optim.AdamW(model_a.parameters(), lr=1e-3), config=config

@@ -52,7 +52,7 @@ def main() -> None:
     dm.engine.reset_metrics()
     val_losses = [float(dm(x, y)) for x, y in valid_loader]
     result = {
-        "val_accuracy": dm.engine.compute_metrics()["accuracy"],
+        "val_accuracy": dm.engine.metrics.eval.compute()["accuracy"],
         "val_loss": sum(val_losses) / len(val_losses),
     }
 

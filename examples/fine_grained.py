@@ -47,7 +47,7 @@ def main() -> None:
     losses = [engine.run(batch, mode="eval") for batch in valid_loader]
     result = {
         "val_accuracy": losses[-1]["accuracy"],
-        "steps": engine.state.global_step or engine.ds_engine.global_steps,
+        "steps": engine.runtime.global_steps,
     }
     if device.is_main_process():
         print(f"validation accuracy {result['val_accuracy']:.4f}")

@@ -11,25 +11,31 @@ _device.configure_environment()  # before DeepSpeed picks its accelerator
 
 from framework.callbacks import (  # noqa: E402
     Callback,
+    Control,
     EarlyStopping,
     Event,
     KeepBest,
     LearningRateMonitor,
-    TrainState,
 )
 from framework.dist_model import DistModel, shard_dataloader, to_static  # noqa: E402
 from framework.engine import Engine  # noqa: E402
-from framework.strategy import ConfigError, Strategy  # noqa: E402
+from framework.errors import CheckpointError, ConfigError, NonFiniteLoss  # noqa: E402
+from framework.state import LoopState, TrainState  # noqa: E402
+from framework.strategy import Strategy  # noqa: E402
 
 __all__ = [
     "Callback",
+    "CheckpointError",
     "ConfigError",
+    "Control",
     "DistModel",
     "EarlyStopping",
     "Engine",
     "Event",
     "KeepBest",
     "LearningRateMonitor",
+    "LoopState",
+    "NonFiniteLoss",
     "Strategy",
     "TrainState",
     "shard_dataloader",

@@ -13,18 +13,23 @@ Where each event fires in `Engine.fit`::
         CHECKPOINT_SAVED        whenever a checkpoint was written (state.last_checkpoint)
     FIT_END
 
-A callback overrides `on_<event>` (e.g. `on_step_end`) for the events it cares about.
+A callback overrides `on_<event>` (e.g. `on_step_end`) for the events it cares about. A
+handler gets the `LoopState` (what the loop has done) and, if it takes a second argument, a
+`Control`: the few things a callback may ask of the run (stop it, save a checkpoint, write the
+weights). Callbacks never see the Engine.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
-from dataclasses import dataclass, field
+import os
+from collections.abc import Callable, Iterable
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from framework.engine import Engine
+from framework.errors import ConfigError
+from framework.state import LoopState, TrainState
 
 
 class Event(str, Enum):
@@ -40,65 +45,89 @@ class Event(str, Enum):
     FIT_END = "fit_end"
 
 
-@dataclass
-class TrainState:
-    """What the loop has really done so far: the counters every callback and logger reads."""
+class Control:
+    """What a callback may ask of the run. `save_weights(path)` writes the consolidated weights
+    (every rank takes part: call it from a handler that runs on every rank); `save_checkpoint()`
+    writes a resumable checkpoint now (only when the run has a checkpoint dir)."""
 
-    engine: Engine | None = None
-    epoch: int = 0
-    epochs: int = 1
-    global_step: int = 0  # optimizer steps taken
-    max_steps: int | None = None
-    step_calls: int = 0  # calls of the step function in this epoch
-    batches_in_epoch: int = 0  # batches fetched from the loader in this epoch
-    batches_per_epoch: int | None = None  # known length of an epoch in batches
-    batches_fetched: int = 0  # batches fetched over the whole run
-    samples_seen: int = 0  # samples (global, all ranks) over the whole run
-    global_batch_size: int = 0
-    epoch_loss_sum: float = 0.0  # this rank's step losses so far this epoch (for the epoch mean)
-    epoch_loss_count: int = 0
-    window_loss_sum: float = 0.0  # ... since the last logged step
-    window_loss_count: int = 0
-    loader_state: dict[str, Any] | None = None  # the loader's position after the last consumed batch
-    records_written: int = 0  # metrics.jsonl lines so far (a resumed run keeps exactly these)
-    logs: dict[str, Any] = field(default_factory=dict)
-    log_now: bool = False  # this step's logs are a logging point (loss reduced over ranks)
-    history: dict[str, list[Any]] = field(default_factory=dict)
-    stop_training: bool = False
-    stop_reason: str = ""
-    last_checkpoint: str | None = None
-    elapsed_s: float = 0.0
+    def __init__(
+        self,
+        state: LoopState,
+        save_weights: Callable[[str], Any] | None = None,
+        save_checkpoint: Callable[[], Any] | None = None,
+    ):
+        self._state = state
+        self._save_weights, self._save_checkpoint = save_weights, save_checkpoint
+
+    def stop(self, reason: str) -> None:
+        """End training after this step (the loop finishes the step, then FIT_END runs)."""
+        self._state.stop_training, self._state.stop_reason = True, reason
+
+    def save_weights(self, path: str) -> Any:
+        """Write the model's consolidated weights to `path` (collective)."""
+        if self._save_weights is None:
+            raise ConfigError("this run cannot write weights from a callback")
+        return self._save_weights(path)
+
+    def save_checkpoint(self) -> Any:
+        """Write a resumable checkpoint now (collective)."""
+        if self._save_checkpoint is None:
+            raise ConfigError(
+                "this run has no checkpoint dir (fit(save_dir=...) or trainer.checkpoint.enabled)"
+            )
+        return self._save_checkpoint()
+
+
+_TAKES_CONTROL: dict[tuple[type, str], bool] = {}
+
+
+def _takes_control(owner: type, name: str) -> bool:
+    """Whether `owner.name` is a handler with a second argument after the state (cached)."""
+    key = (owner, name)
+    if key not in _TAKES_CONTROL:
+        try:
+            params = inspect.signature(getattr(owner, name)).parameters.values()
+            positional = [p for p in params if p.kind != p.VAR_KEYWORD]
+            _TAKES_CONTROL[key] = len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in positional)
+        except (TypeError, ValueError):
+            _TAKES_CONTROL[key] = False
+    return _TAKES_CONTROL[key]
 
 
 class Callback:
     """Base class: override the `on_<event>` methods you need; the rest do nothing."""
 
-    def on_event(self, event: Event, state: TrainState) -> None:
-        """Dispatch `event` to `on_<event>`."""
-        getattr(self, f"on_{event.value}")(state)
+    def on_event(self, event: Event, state: LoopState, control: Control | None = None) -> None:
+        """Dispatch `event` to `on_<event>` (with `control` when the handler takes it)."""
+        name = f"on_{event.value}"
+        handler = getattr(self, name)
+        if control is not None and _takes_control(type(self), name):
+            handler(state, control)
+        else:
+            handler(state)
 
-    def on_fit_start(self, state: TrainState) -> None:
+    def on_fit_start(self, state: LoopState) -> None:
         """Before the first epoch."""
 
-    def on_epoch_start(self, state: TrainState) -> None:
+    def on_epoch_start(self, state: LoopState) -> None:
         """Before the first step of an epoch."""
 
-    def on_step_start(self, state: TrainState) -> None:
+    def on_step_start(self, state: LoopState) -> None:
         """Before each call of the step function."""
 
-    def on_step_end(self, state: TrainState) -> None:
+    def on_step_end(self, state: LoopState) -> None:
         """After each call of the step function."""
 
-    def on_validation_end(self, state: TrainState) -> None:
+    def on_validation_end(self, state: LoopState) -> None:
         """After validation at the end of an epoch."""
 
-    def on_epoch_end(self, state: TrainState) -> None:
+    def on_epoch_end(self, state: LoopState) -> None:
         """After an epoch and its validation."""
 
-    def on_checkpoint_saved(self, state: TrainState) -> None:
+    def on_checkpoint_saved(self, state: LoopState) -> None:
         """After a checkpoint was written."""
 
-    def on_fit_end(self, state: TrainState) -> None:
+    def on_fit_end(self, state: LoopState) -> None:
         """After training ended (normally, by max_steps, or stopped by a callback)."""
 
 
@@ -114,7 +143,7 @@ class EarlyStopping(Callback):
         self.best = math.inf if mode == "min" else -math.inf
         self.bad_epochs = 0
 
-    def on_validation_end(self, state: TrainState) -> None:
+    def on_validation_end(self, state: LoopState) -> None:
         """Compare the monitored value with the best so far."""
         value = state.logs.get(self.monitor)
         if value is None:
@@ -136,7 +165,7 @@ class EarlyStopping(Callback):
 class LearningRateMonitor(Callback):
     """Record the learning rate of every optimizer step into `state.history['lr_step']`."""
 
-    def on_step_end(self, state: TrainState) -> None:
+    def on_step_end(self, state: LoopState) -> None:
         """Append the current learning rate."""
         if "lr" in state.logs:
             state.history.setdefault("lr_step", []).append(state.logs["lr"])
@@ -155,20 +184,52 @@ class KeepBest(Callback):
     ):
         if mode not in ("min", "max"):
             raise ValueError(f"KeepBest mode must be 'min' or 'max', got {mode!r}")
+        if os.sep in filename or (os.altsep and os.altsep in filename) or filename in ("", ".", ".."):
+            raise ConfigError(
+                f"keep_best.filename={filename!r} must be a plain file name (it is written inside the run dir)"
+            )
         self.monitor, self.mode, self.filename, self.output_dir = monitor, mode, filename, output_dir
         self.best: float | None = None
         self.path: str | None = None
 
-    def on_validation_end(self, state: TrainState) -> None:
+    def on_validation_end(self, state: LoopState, control: Control) -> None:  # type: ignore[override]
         """Save when the monitored value improved."""
         value = state.logs.get(self.monitor)
-        if value is None or state.engine is None or not math.isfinite(value):
+        if value is None or not math.isfinite(value):
             return
         if self.best is not None and (value >= self.best if self.mode == "min" else value <= self.best):
             return
-        import os
-
         self.best = float(value)
         self.path = os.path.join(self.output_dir or ".", self.filename)
-        state.engine.save(self.path, training=False)
+        control.save_weights(self.path)
         state.history.setdefault(f"best_{self.monitor}", []).append(self.best)
+
+
+class CallbackList:
+    """The run's callbacks, fired in order with one `Control`."""
+
+    def __init__(self, callbacks: Iterable[Callback] = ()):
+        self.callbacks: list[Callback] = list(callbacks)
+        self.control: Control | None = None
+
+    def extend(self, callbacks: Iterable[Callback]) -> None:
+        """Add callbacks after the existing ones."""
+        self.callbacks.extend(callbacks)
+
+    def fire(self, event: Event, state: LoopState) -> None:
+        """Run every callback's handler for `event`."""
+        for callback in self.callbacks:
+            callback.on_event(event, state, self.control)
+
+
+__all__ = [
+    "Callback",
+    "CallbackList",
+    "Control",
+    "EarlyStopping",
+    "Event",
+    "KeepBest",
+    "LearningRateMonitor",
+    "LoopState",
+    "TrainState",
+]

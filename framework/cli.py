@@ -1,101 +1,65 @@
-"""Hydra entry: a composed config becomes objects, objects become a run.
+"""Hydra entry: argv, launching, and the error text a user sees.
 
 `train.py` is a few lines around `run(cfg)`. The straight line::
 
     prepare_argv -> Hydra composes conf/ -> run(cfg)
       -> launch (in-process, or N local workers)
-      -> train(cfg, output_dir): data, model (inside zero.Init for ZeRO-3), loss, metrics,
-         optimizer, scheduler, loggers -> Engine.fit -> files + the monitored value
+      -> framework.build.train(cfg, output_dir) -> the monitored value
 """
 
 from __future__ import annotations
 
-import inspect
-import json
 import math
 import os
-import random
 import re
 import signal
 import sys
-import threading
 import traceback
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
 from hydra.errors import InstantiationException
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from framework import device as dev
-from framework.callbacks import Callback, TrainState
-from framework.checkpoint import install_preemption_handler
-from framework.config import (
-    GROUPS,
-    check_group_choice,
-    check_override,
-    check_schema,
-    check_untyped_keys,
-    register_configs,
-)
-from framework.engine import Engine, model_init_context, strategy_for_this_machine
-from framework.launch import (
-    Interrupted,
-    WorkerFailed,
-    check_devices,
-    check_launched_devices,
-    join_slurm_tasks,
-    spawn,
-)
-from framework.loggers import MetricsFile
-from framework.loops import NonFiniteLoss
-from framework.strategy import ConfigError, Strategy, batch_layout, deepspeed_config
+from framework.argv import HydraView, check_group_choice, check_untyped_keys, normalize
+from framework.build import checkpoint_dir, train, validate
+from framework.checkpoint.store import complete_checkpoints, read_meta
+from framework.config import check_override, register_configs
+from framework.errors import CheckpointError, ConfigError, NonFiniteLoss
+from framework.launch import Interrupted, WorkerFailed, check_devices, join_slurm_tasks, spawn
 
 register_configs()
 
 
-# Top-level switches that exist in the schema but read naturally with a `+` (`+dry_run=true`).
-FLAGS = ("dry_run",)
+def prepare_argv(argv: list[str] | None = None, conf_dir: Path | None = None) -> None:
+    """Rewrite `sys.argv` before Hydra parses it (`conf_dir`: the app's configs, default the
+    `conf/` beside the script).
 
-
-def normalize_overrides(overrides: list[str]) -> list[str]:
-    """`+strategy=zero3` and `strategy=zero3` both select an option of a default group: Hydra
-    accepts only one form per defaults-list entry, so the `+` of our own groups is dropped
-    (and of the switches in FLAGS, which always exist)."""
-    out = []
-    for item in overrides:
-        if item.startswith("+") and not item.startswith("++"):
-            key = item[1:].split("=", 1)[0]
-            if key in GROUPS or key in FLAGS:
-                item = item[1:]
-        out.append(item)
-    return out
-
-
-def prepare_argv(argv: list[str] | None = None) -> None:
-    """Rewrite `sys.argv` before Hydra parses it.
-
-    * `+group=x` -> `group=x` for our groups (both forms work).
+    * `+group=x` -> `group=x` for groups of the primary config's defaults list (both forms work).
     * `--local_rank=N` from the `deepspeed` launcher is dropped (LOCAL_RANK carries it).
-    * overrides of typed keys are checked first, so a typo names the nearest key.
+    * overrides are checked against what Hydra will see (the user's --config-dir, --config-name,
+      hydra.searchpath included), so a typo names the nearest key or lists the options.
+    * the working directory is importable (a project's own modules, as `python -m` does).
     * On ranks > 0 of a job started by a launcher (torchrun, deepspeed, srun), Hydra must not
       create a second output dir or log file: rank 0's dir is shared with them after the
       process group forms.
     """
     argv = sys.argv if argv is None else argv
-    # The `deepspeed` launcher appends --local_rank=N (also in LOCAL_RANK); Hydra cannot parse it.
     argv[1:] = [a for a in argv[1:] if not a.startswith(("--local_rank=", "--local-rank="))]
-    argv[1:] = normalize_overrides(argv[1:])
-    conf_dir = Path(argv[0]).resolve().parent / "conf"
+    view = HydraView.from_argv(argv, conf_dir or Path(argv[0]).resolve().parent / "conf")
+    if any(a.startswith("+") and not a.startswith("++") for a in view.overrides):
+        groups = view.default_groups()
+        argv[1:] = normalize(argv[1:], groups)
+        view.overrides = normalize(view.overrides, groups)
+    if os.getcwd() not in sys.path:
+        sys.path.insert(1, os.getcwd())
     try:
-        for item in argv[1:]:
-            if not item.startswith("-"):
-                check_override(item)
-                check_group_choice(item, conf_dir)
-        check_untyped_keys(argv[1:], conf_dir)
+        for item in view.overrides:
+            check_override(item)
+            check_group_choice(item, view)
+        check_untyped_keys(view)
     except ConfigError as exc:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
@@ -104,13 +68,6 @@ def prepare_argv(argv: list[str] | None = None) -> None:
         sys.exit(1)
     if dev.launched() and int(os.environ.get("RANK", "0")) > 0:
         argv.extend(["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout"])
-
-
-def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy and torch (all devices)."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def hydra_output_dir() -> str | None:
@@ -130,7 +87,7 @@ def _is_multirun() -> bool:
 
 
 # Mistakes in a config or its inputs: reported in a line or two, without a traceback.
-USER_ERRORS = (ConfigError, InstantiationException, FileNotFoundError, NonFiniteLoss)
+USER_ERRORS = (ConfigError, CheckpointError, InstantiationException, FileNotFoundError, NonFiniteLoss)
 
 
 def _verbose(cfg: DictConfig) -> bool:
@@ -150,12 +107,33 @@ def run(cfg: DictConfig) -> float | None:
     except WorkerFailed as exc:
         return _fail(str(exc), show=not exc.printed)
     except Interrupted as exc:
-        # SIGTERM is preemption: the workers saved and rank 0 said where. Leave at once: the
+        # SIGTERM is preemption: the workers saved and rank 0 said where (exit 0), unless no
+        # checkpoint was written for it (exit 1, naming the last good one). Leave at once: the
         # launcher's rendezvous store can still hold C++ threads that abort an ordinary
         # interpreter exit ("terminate called without an active exception").
+        code = 128 + exc.signum
+        if exc.signum == signal.SIGTERM:
+            code = _preempted_exit_code(
+                checkpoint_dir(cfg, hydra_output_dir() or default_output_dir()), exc.since
+            )
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0 if exc.signum == signal.SIGTERM else 128 + exc.signum)
+        os._exit(code)
+
+
+def _preempted_exit_code(ckpt_dir: Path, since: float) -> int:
+    """0 when the workers wrote a checkpoint for the preemption (or the run's final one) after
+    `since`; otherwise 1, naming the last good checkpoint."""
+    newest = complete_checkpoints(ckpt_dir)[-1:] if ckpt_dir.is_dir() else []
+    meta = read_meta(newest[0]) if newest else {}
+    if meta.get("reason") in ("preempted", "end") and float(meta.get("time", 0)) >= since:
+        return 0
+    last = f"{newest[0]} (step {meta.get('step')})" if newest else "none"
+    print(
+        f"Error: preempted (SIGTERM) before a checkpoint could be saved; last good checkpoint: {last}",
+        file=sys.stderr,
+    )
+    return 1
 
 
 def _fail(message: str, show: bool) -> float:
@@ -206,14 +184,6 @@ def worker_main(container: dict[str, Any], output_dir: str, context: dict[str, A
         sys.exit(1)
 
 
-def validate(cfg: DictConfig, world_size: int) -> Strategy:
-    """Checks that need no process group: schema, strategy, batch split over `world_size`."""
-    check_schema(cfg)
-    strategy = Strategy.from_config(cfg.strategy)
-    batch_layout(strategy, int(cfg.trainer.batch_size), world_size)
-    return strategy
-
-
 def _explain(exc: BaseException) -> str:
     """One to three lines: what is wrong and, where we can tell, what to write instead."""
     if isinstance(exc, InstantiationException):
@@ -238,40 +208,6 @@ def _explain(exc: BaseException) -> str:
     return str(exc)
 
 
-class RunFiles(Callback):
-    """Rank 0 writes the DeepSpeed config that the engine really received, then the final metrics."""
-
-    def __init__(self, output_dir: Path, monitor: str):
-        self.output_dir, self.monitor = output_dir, monitor
-
-    def on_fit_start(self, state: TrainState) -> None:
-        """deepspeed_config.json next to the resolved config."""
-        assert state.engine is not None
-        with open(self.output_dir / "deepspeed_config.json", "w") as f:
-            json.dump(state.engine.deepspeed_config, f, indent=2)
-
-    def on_fit_end(self, state: TrainState) -> None:
-        """final_metrics.json: the last value of each logged quantity."""
-        final = {k: v[-1] for k, v in state.history.items() if v}
-        final.update(step=state.global_step, batches=state.batches_fetched, samples=state.samples_seen)
-        with open(self.output_dir / "final_metrics.json", "w") as f:
-            json.dump(final, f, indent=2, default=float)
-
-
-def instantiate_with_context(node: DictConfig, context: dict[str, Any]) -> Any:
-    """Instantiate a logger or callback, giving it whichever of this run's `context` entries
-    (output_dir, run_config, group, name) its signature asks for and its config leaves unset."""
-    from hydra.utils import get_method
-
-    try:
-        params = inspect.signature(get_method(node._target_)).parameters
-    except Exception:
-        params = {}  # type: ignore[assignment]
-    extra = {k: v for k, v in context.items() if k in params and node.get(k) is None and v is not None}
-    # Passed at call time: Hydra would otherwise try to instantiate the _target_s inside run_config.
-    return instantiate(node, _partial_=True)(**extra)
-
-
 def sweep_context() -> dict[str, Any]:
     """In a Hydra multirun: the sweep (wandb group) and this job's overrides (run name)."""
     from hydra.core.hydra_config import HydraConfig
@@ -280,121 +216,3 @@ def sweep_context() -> dict[str, Any]:
         return {}
     hc = HydraConfig.get()
     return {"group": Path(str(hc.sweep.dir)).name, "name": str(hc.job.override_dirname) or f"job{hc.job.num}"}
-
-
-def _instantiate_optional(node: Any) -> Any:
-    if node is None or (isinstance(node, DictConfig) and node.get("_target_") is None):
-        return None
-    return instantiate(node)
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
-
-
-def print_plan(model: Any, strategy: Strategy, cfg: DictConfig) -> None:
-    """What `+dry_run=true` prints: per-rank model-state memory and the DeepSpeed config."""
-    engine = Engine(model, optimizer=instantiate(cfg.optimizer), strategy=strategy)
-    cost = engine.cost("train")
-    print(
-        f"{type(model).__name__}: {cost['parameters']:,} parameters (largest tensor {cost['largest_parameter']:,}) | "
-        f"{strategy.describe()} | {dev.world_size()} process(es), {cost['data_parallel_size']} data-parallel"
-    )
-    print(
-        "per-rank model states: "
-        + ", ".join(
-            f"{k.removesuffix('_bytes')} {_size(cost[k])}"
-            for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "buffer_bytes")
-        )
-        + f" = {_size(cost['total_bytes'])} (device {_size(cost['device_bytes'])}, cpu {_size(cost['cpu_bytes'])})"
-    )
-    if cost["deepspeed_estimate"]:
-        est = cost["deepspeed_estimate"]
-        print(
-            f"DeepSpeed's estimator (fp16 mixed precision): device {_size(est['device_bytes'])}, cpu {_size(est['cpu_bytes'])}"
-        )
-    numel, largest = cost["parameters"], cost["largest_parameter"]
-    config = deepspeed_config(strategy, cfg.trainer.batch_size, dev.world_size(), numel, largest)
-    print("DeepSpeed config: " + json.dumps(config))
-
-
-def train(cfg: DictConfig, output_dir: str | None, context: dict[str, Any] | None = None) -> float | None:
-    """Train in this process (one rank of the job): build everything from `cfg`, fit, write files."""
-    check_schema(cfg)
-    t = cfg.trainer
-    strategy = strategy_for_this_machine(Strategy.from_config(cfg.strategy))
-    with dev.process_group(timeout_s=t.timeout_s):
-        batch_layout(strategy, int(t.batch_size), dev.world_size())
-        if dev.launched():
-            check_launched_devices(int(t.devices))
-        out = Path(dev.broadcast_object(output_dir or os.path.join("outputs", "run")))
-        main = dev.is_main_process()
-        context = dict(
-            context or {}, output_dir=str(out), run_config=OmegaConf.to_container(cfg, resolve=True)
-        )
-        if main:
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        seed_everything(t.seed)
-        splits = instantiate(cfg.data.dataset)
-        preview = deepspeed_config(strategy, t.batch_size, dev.world_size())
-        with model_init_context(strategy, preview):
-            model = instantiate(cfg.model)
-        if cfg.dry_run:
-            if main:
-                print_plan(model, strategy, cfg)
-            return None
-        callbacks: list[Callback] = []
-        if main:
-            loggers = [
-                instantiate_with_context(node, context) for node in cfg.logger.values() if node is not None
-            ]
-            callbacks += loggers + [MetricsFile(out / "metrics.jsonl"), RunFiles(out, t.monitor)]
-        callbacks += [
-            instantiate_with_context(node, context) for node in cfg.callbacks.values() if node is not None
-        ]
-        engine = Engine(
-            model,
-            loss=instantiate(cfg.loss),
-            optimizer=instantiate(cfg.optimizer),
-            metrics={name: instantiate(node) for name, node in cfg.metrics.items()},
-            strategy=strategy,
-            scheduler=_instantiate_optional(cfg.scheduler),
-            train_step=_instantiate_optional(cfg.step),
-            eval_step=_instantiate_optional(cfg.eval_step),
-            callbacks=callbacks,
-            seed=t.seed,
-            prefetch=cfg.data.prefetch,
-        )
-        ckpt_dir = Path(t.checkpoint.dir) if t.checkpoint.dir else out / "checkpoints"
-        if t.checkpoint.enabled and threading.current_thread() is threading.main_thread():
-            install_preemption_handler()
-            engine.handle_preemption = True
-        history = engine.fit(
-            splits.train,
-            splits.valid,
-            epochs=t.epochs,
-            batch_size=t.batch_size,
-            steps_per_epoch=t.steps_per_epoch,
-            valid_freq=t.valid_every,
-            valid_at_start=t.valid_at_start,
-            log_freq=t.log_every,
-            max_steps=t.max_steps,
-            valid_batch_size=t.valid_batch_size,
-            shuffle=cfg.data.shuffle,
-            num_workers=cfg.data.num_workers,
-            save_dir=str(ckpt_dir) if t.checkpoint.enabled else None,
-            save_freq=t.checkpoint.every_n_steps,
-            keep_last_k=t.checkpoint.keep_last_k,
-            resume=t.resume,
-        )
-        if main and engine.state.stop_reason.startswith("preempted"):
-            print(
-                f"{engine.state.stop_reason}; resume with trainer.resume=auto trainer.checkpoint.dir={ckpt_dir}"
-            )
-        values = history.get(t.monitor)
-        return float(values[-1]) if values else None

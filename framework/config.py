@@ -14,10 +14,11 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from framework.errors import ConfigError
 from framework.strategy import Strategy
 
 # Config groups chosen in train.yaml's defaults list. `+group=x` and `group=x` both select an
-# option of these (see framework.cli.prepare_argv).
+# option of these (see framework.argv.normalize).
 GROUPS = (
     "model",
     "data",
@@ -50,7 +51,7 @@ class CheckpointConfig:
 
     enabled: bool = True
     every_n_steps: int = 0  # optimizer steps between checkpoints; 0 = only when training ends
-    keep_last_k: int = 3  # complete checkpoints kept (older ones deleted)
+    keep_last_k: int = 3  # complete checkpoints kept (older ones deleted); 0 keeps all
     dir: str | None = None  # default <output dir>/checkpoints; a stable path lets a re-submitted job find it
 
 
@@ -100,18 +101,55 @@ def register_configs() -> None:
     cs.store(name="train_schema", node=TrainConfig)
 
 
+# The smallest value each numeric key accepts (a float bound is exclusive); null stays allowed
+# where the schema allows it. Checked with the schema, so a value that would crash mid-run
+# (a division by valid_every, a slice by keep_last_k) stops the run before it starts.
+MINIMUM: dict[str, int | float] = {
+    "trainer.epochs": 1,
+    "trainer.max_steps": 1,
+    "trainer.steps_per_epoch": 1,
+    "trainer.batch_size": 1,
+    "trainer.valid_batch_size": 1,
+    "trainer.valid_every": 1,
+    "trainer.devices": 1,
+    "trainer.log_every": 1,
+    "trainer.timeout_s": 0.0,
+    "trainer.checkpoint.every_n_steps": 0,
+    "trainer.checkpoint.keep_last_k": 0,
+    "data.num_workers": 0,
+    "data.prefetch": 0,
+    "strategy.gradient_clip.max_norm": 0,
+}
+
+
+def check_ranges(cfg: Any) -> None:
+    """Every key of `MINIMUM` within its range (and finite), or a ConfigError naming it."""
+    import math
+
+    from omegaconf import OmegaConf
+
+    for key, low in MINIMUM.items():
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is None or isinstance(value, bool):
+            continue
+        bad = not math.isfinite(value) or (value <= low if isinstance(low, float) else value < low)
+        if bad:
+            bound = f"> {low:g}" if isinstance(low, float) else f">= {low}"
+            raise ConfigError(f"{key}={value}: must be a finite number {bound}")
+
+
 def check_schema(cfg: Any, schema: type = TrainConfig, prefix: str = "") -> None:
-    """Reject keys the schema does not know, naming the nearest valid key.
+    """Reject keys the schema does not know, naming the nearest valid key, and values out of range.
 
     Hydra lets `+trainer.epoch=3` add a key even to a typed node; this catches it (and any key
     a YAML file added) before the run starts.
     """
+    if not prefix:
+        check_ranges(cfg)
     import dataclasses
     import difflib
 
     from omegaconf import DictConfig
-
-    from framework.strategy import ConfigError
 
     known = {f.name: f for f in dataclasses.fields(schema)}
     for key in cfg.keys() if isinstance(cfg, DictConfig) else []:
@@ -135,7 +173,7 @@ def _dataclass_of(schema: type, f: Any) -> type | None:
     return candidate if isinstance(candidate, type) and dataclasses.is_dataclass(candidate) else None
 
 
-def _schema_field(path: list[str]) -> tuple[Any, str] | None:
+def schema_field(path: list[str]) -> tuple[Any, str] | None:
     """(type, dotted prefix) of the schema field at `path`, or None when the path leaves the
     typed part of the schema (an `Any` node such as model or optimizer)."""
     import dataclasses
@@ -148,8 +186,6 @@ def _schema_field(path: list[str]) -> tuple[Any, str] | None:
         hints = typing.get_type_hints(node)
         if part not in hints:
             import difflib
-
-            from framework.strategy import ConfigError
 
             prefix = ".".join(path[:depth])
             close = difflib.get_close_matches(part, list(hints), n=1)
@@ -166,7 +202,6 @@ _SCALARS = {int: "an integer", float: "a number", bool: "true or false"}
 def check_override(item: str) -> None:
     """Reject an override of the typed schema (trainer.*, data.*, strategy.*, ...) whose key does
     not exist (naming the nearest) or whose value has the wrong type, before Hydra parses it."""
-    from framework.strategy import ConfigError
 
     key, sep, value = item.lstrip("+~").partition("=")
     if not sep or "/" in key or key.startswith("hydra") or key in GROUPS:
@@ -174,7 +209,7 @@ def check_override(item: str) -> None:
     parts = key.split(".")
     if parts[0] not in ("trainer", "data", "strategy") or len(parts) < 2:
         return
-    found = _schema_field(parts)
+    found = schema_field(parts)
     if found is None:
         return
     field_type, full = found
@@ -192,76 +227,6 @@ def check_override(item: str) -> None:
         raise ConfigError(f"{full}={value}: expected {_SCALARS[scalar]}") from None
 
 
-def check_untyped_keys(overrides: list[str], conf_dir: Any) -> None:
-    """Reject `group.key=value` overrides of the untyped groups (model, optimizer, data.dataset,
-    ...) whose key the chosen option does not have, naming the nearest key. Composes the
-    chosen options once (only when such an override is present); any other composition
-    problem is left for Hydra to report."""
-    import difflib
-
-    from omegaconf import DictConfig
-
-    from framework.strategy import ConfigError
-
-    typed = ("trainer", "data", "strategy")
-    targets = []
-    for item in overrides:
-        if item.startswith(("+", "~", "-")):
-            continue
-        key, sep, _ = item.partition("=")
-        parts = key.split(".")
-        if not sep or len(parts) < 2 or parts[0] not in GROUPS or "/" in key:
-            continue
-        if parts[0] in typed and _schema_field(parts) is not None:
-            continue  # typed: check_override's job
-        targets.append(parts)
-    if not targets:
-        return
-    choices, unsure = [], set()
-    for item in overrides:
-        key, sep, value = item.lstrip("+").partition("=")
-        if not sep or key not in GROUPS:
-            continue
-        if value.startswith("[") or "," not in value:
-            choices.append(f"{key}={value}")  # an option, or a list of them
-        elif "(" not in value:
-            choices.append(f"{key}={value.split(',')[0]}")  # a sweep: its first option
-        else:
-            unsure.add(key)  # glob(...)/range(...) sweeps: leave this group's keys to Hydra
-    targets = [parts for parts in targets if parts[0] not in unsure]
-    try:
-        from hydra import compose, initialize_config_dir
-        from hydra.core.global_hydra import GlobalHydra
-
-        GlobalHydra.instance().clear()
-        with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
-            cfg = compose(config_name="train", overrides=choices)
-    except Exception:  # noqa: BLE001 - Hydra will report it, with its own message
-        return
-    finally:
-        GlobalHydra.instance().clear()
-    for parts in targets:
-        node: Any = cfg
-        for depth, part in enumerate(parts):
-            if not isinstance(node, DictConfig):
-                break
-            known = [str(k) for k in node.keys()]  # (`in` is False for a ??? value)
-            if part not in known:
-                where = ".".join(parts[:depth])
-                close = difflib.get_close_matches(part, known, n=1)
-                hint = f"did you mean '{where}.{close[0]}'? " if close else ""
-                raise ConfigError(
-                    f"unknown config key '{'.'.join(parts)}'; {hint}valid keys here: {', '.join(known)} "
-                    f"(to add a new key write +{'.'.join(parts)}=...)"
-                )
-            if depth == len(parts) - 1:
-                break
-            try:
-                node = node[part]
-            except Exception:  # noqa: BLE001 - a ??? or an interpolation: nothing more to check
-                break
-
-
 def typing_optional(tp: Any) -> Any:
     """X for `X | None`, else None."""
     import typing
@@ -270,23 +235,3 @@ def typing_optional(tp: Any) -> Any:
     if len(args) == 2 and type(None) in args:
         return next(a for a in args if a is not type(None))
     return None
-
-
-def check_group_choice(item: str, conf_dir: Any) -> None:
-    """Reject `group=option` when the group has no such option, listing the options (sweeps
-    `a,b` and lists `[a,b]` are checked element by element)."""
-    from pathlib import Path
-
-    from framework.strategy import ConfigError
-
-    key, sep, value = item.lstrip("+").partition("=")
-    if not sep or key not in GROUPS or value in ("null", ""):
-        return
-    folder = Path(conf_dir) / key
-    if not folder.is_dir():
-        return
-    options = sorted(p.stem for p in folder.glob("*.yaml"))
-    for choice in value.strip("[]").split(","):
-        choice = choice.strip()
-        if choice and choice not in options and not any(ch in choice for ch in "()*$"):
-            raise ConfigError(f"unknown {key} '{choice}'; options: {', '.join(options)}")

@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from framework.strategy import Strategy, auto_sizes
+from framework.ds_config import chosen_sizes
+from framework.strategy import Strategy
 
 
 def optimizer_state_bytes_per_param(optimizer: Any) -> int:
@@ -69,13 +70,7 @@ def model_state_bytes(
     optim = (k + master) * psi / (n if stage >= 1 else 1)
     buffers = 0.0
     if stage in (1, 3):  # a reduce bucket stays allocated (measured; ZeRO-2 frees its own)
-        bucket = strategy.sharding.reduce_bucket_size
-        bucket = (
-            auto_sizes(num_params, largest_param)["reduce_bucket_size"]
-            if bucket in (None, "auto")
-            else int(bucket)
-        )
-        buffers = p * bucket
+        buffers = p * chosen_sizes(strategy, num_params, largest_param)["reduce_bucket_size"]
     cpu = 0.0
     if strategy.sharding.offload_optimizer:
         cpu += optim
@@ -119,6 +114,26 @@ def deepspeed_estimate(
         )
         return {"device_bytes": int(gpu), "cpu_bytes": int(cpu)}
     return None
+
+
+def estimate(
+    module: Any, strategy: Strategy, optimizer: Any, world_size: int, mode: str = "train"
+) -> dict[str, Any]:
+    """Per-rank bytes of `module`'s model states under `strategy` (see the module doc) with
+    `optimizer` (a torch optimizer, class or factory; None: no optimizer states), before anything
+    runs; DeepSpeed's own estimate beside it. Eval / predict hold parameters only."""
+    sizes = [int(getattr(p, "ds_numel", p.numel())) for p in module.parameters()]
+    numel, largest = sum(sizes), max(sizes, default=0)
+    k = optimizer_state_bytes_per_param(optimizer) if optimizer is not None else 8
+    if mode != "train":
+        k = 0
+    result: dict[str, Any] = model_state_bytes(strategy, numel, largest, world_size, k)
+    if mode != "train":
+        result["grads_bytes"] = 0
+        result["total_bytes"] = result["params_bytes"] + result["optimizer_bytes"]
+    result["largest_parameter"] = largest
+    result["deepspeed_estimate"] = deepspeed_estimate(strategy, numel, largest, world_size)
+    return result
 
 
 def live_tensor_bytes(exclude: set[int] | None = None) -> tuple[int, set[int]]:

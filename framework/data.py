@@ -1,15 +1,17 @@
-"""Per-rank data loading: a shuffled, resumable training loader and an exact evaluation shard.
+"""Per-rank data: loaders, background prefetch to the device, and the iterator a step pulls from.
 
 Training uses torchdata's `StatefulDataLoader` over a `DistributedSampler`, so a loader's
 position (mid-epoch included) is part of a checkpoint. Evaluation gives every rank the same
 number of batches (ZeRO-3 gathers parameters collectively: a rank with one batch more would
-hang the others) and remembers how many samples of its shard are real, so padding never
+hang the others) and knows how many samples of its shard are unpadded, so padding never
 counts in a metric.
 """
 
 from __future__ import annotations
 
 import math
+import queue
+import threading
 from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
@@ -17,15 +19,17 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from framework.errors import ConfigError
+
 
 class EvalShardSampler(Sampler[int]):
     """Rank `rank` takes items rank, rank+N, ...; shards are padded to equal length by repeating
-    the first items, and `num_real` says how many of this rank's items are real."""
+    the first items, and `unpadded` says how many of this rank's items are not padding."""
 
     def __init__(self, dataset_len: int, num_replicas: int, rank: int):
         self.dataset_len, self.num_replicas, self.rank = dataset_len, num_replicas, rank
         self.per_rank = math.ceil(dataset_len / num_replicas) if dataset_len else 0
-        self.num_real = len(range(rank, dataset_len, num_replicas))
+        self.unpadded = len(range(rank, dataset_len, num_replicas))
 
     def __iter__(self) -> Iterator[int]:
         real = list(range(self.rank, self.dataset_len, self.num_replicas))
@@ -88,7 +92,7 @@ def eval_loader(
     collate_fn: Callable | None = None,
     num_workers: int = 0,
 ) -> DataLoader:
-    """This rank's evaluation loader; `loader.sampler.num_real` samples of it are real."""
+    """This rank's evaluation loader; the first `loader.sampler.unpadded` samples are not padding."""
     sampler = EvalShardSampler(dataset_len(dataset), dp_size, dp_rank)
     return DataLoader(
         dataset, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate_fn, num_workers=num_workers
@@ -116,12 +120,152 @@ def batch_size_of(batch: Any) -> int:
     return 1
 
 
+def split_micro_batches(batch: Any, parts: int) -> list[Any]:
+    """Split every tensor of a batch along dim 0 into `parts` equal micro-batches."""
+    if parts == 1:
+        return [batch]
+    if isinstance(batch, torch.Tensor):
+        if batch.shape[0] % parts:
+            raise ConfigError(f"a batch of {batch.shape[0]} does not split into {parts} accumulation steps")
+        return list(batch.chunk(parts))
+    if isinstance(batch, (list, tuple)):
+        columns = [split_micro_batches(b, parts) for b in batch]
+        return [type(batch)(col[i] for col in columns) for i in range(parts)]
+    if isinstance(batch, dict):
+        split = {k: split_micro_batches(v, parts) for k, v in batch.items()}
+        return [{k: v[i] for k, v in split.items()} for i in range(parts)]
+    return [batch] * parts
+
+
+_END = object()
+
+
+class _Failure:
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+class Prefetcher:
+    """Pull batches from `source` in a background thread, `depth` ahead, moved with `transfer`.
+
+    Yields (batch, snapshot) pairs: `snapshot()` is taken right after that batch was pulled, so
+    the consumer knows the loader position that matches what it has really consumed.
+    """
+
+    def __init__(
+        self,
+        source: Iterator[Any],
+        transfer: Callable[[Any], Any],
+        depth: int = 2,
+        snapshot: Callable[[], Any] | None = None,
+    ):
+        self._source, self._transfer, self._snapshot = source, transfer, snapshot
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if depth > 0:
+            self._thread = threading.Thread(target=self._fill, name="hydraspeed-prefetch", daemon=True)
+            self._thread.start()
+
+    def _pull(self) -> tuple[Any, Any]:
+        batch = next(self._source)
+        return self._transfer(batch), self._snapshot() if self._snapshot else None
+
+    def _fill(self) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    item: Any = self._pull()
+                except StopIteration:
+                    item = _END
+                self._put(item)
+                if item is _END:
+                    return
+        except BaseException as exc:  # re-raised in the consumer's thread
+            self._put(_Failure(exc))
+
+    def _put(self, item: Any) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def __iter__(self) -> Prefetcher:
+        return self
+
+    def __next__(self) -> tuple[Any, Any]:
+        if self._thread is None:  # depth 0: synchronous
+            return self._pull()
+        item = self._queue.get()
+        if item is _END:
+            self._queue.put(_END)  # later next() calls keep raising StopIteration
+            raise StopIteration
+        if isinstance(item, _Failure):
+            raise item.exc
+        return item
+
+    def close(self) -> None:
+        """Stop the background thread (batches already pulled are dropped)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+
+class BatchIterator:
+    """The iterator a step consumes: counts each batch handed out and knows, one batch ahead,
+    whether any is left (`exhausted()`), so a step is never called on an empty epoch.
+
+    `source` is a `Prefetcher` or any iterator of batches. `on_fetch(batch)` runs for every batch
+    handed out; `limit` caps the batches of this epoch; `snapshot` is the Prefetcher's position
+    after the last batch handed out (None for other sources).
+    """
+
+    def __init__(
+        self, source: Iterator[Any], on_fetch: Callable[[Any], None] | None = None, limit: int | None = None
+    ):
+        self._source, self._on_fetch, self._limit = source, on_fetch, limit
+        self._pairs = isinstance(source, Prefetcher)  # yields (batch, snapshot)
+        self._ahead: list[tuple[Any, Any]] = []
+        self._done = False
+        self.fetched = 0
+        self.snapshot: Any = None
+
+    def __iter__(self) -> BatchIterator:
+        return self
+
+    def exhausted(self) -> bool:
+        """True when the next `next()` would raise StopIteration (pulls one batch ahead)."""
+        if self._ahead:
+            return False
+        if self._done or (self._limit is not None and self.fetched >= self._limit):
+            return True
+        try:
+            item = next(self._source)
+            self._ahead.append(item if self._pairs else (item, None))
+        except StopIteration:
+            self._done = True
+            return True
+        return False
+
+    def __next__(self) -> Any:
+        if self.exhausted():
+            raise StopIteration
+        batch, self.snapshot = self._ahead.pop()
+        self.fetched += 1
+        if self._on_fetch is not None:
+            self._on_fetch(batch)
+        return batch
+
+
 class DeviceLoader:
     """What `Engine.dataloader` returns: `epochs` epochs of this rank's batches, already on the
     device (prefetched in the background), at most `steps_per_epoch` batches per epoch.
 
-    For evaluation shards, `last_real` is how many samples of the batch just handed out are real
-    (the rest pad the shard so every rank runs the same number of batches).
+    For evaluation shards, `last_unpadded` is how many samples of the batch just handed out are
+    not padding (the padding evens the shards so every rank runs the same number of batches).
+    `on_epoch(epoch)` runs before each epoch (the engine resets this mode's metrics there).
     """
 
     def __init__(
@@ -132,14 +276,16 @@ class DeviceLoader:
         steps_per_epoch: int | None = None,
         prefetch: int = 2,
         global_batch_size: int | None = None,
-        real_samples: int | None = None,
+        unpadded: int | None = None,
+        on_epoch: Callable[[int], None] | None = None,
     ):
         self.loader, self.transfer, self.epochs = loader, transfer, epochs
         self.steps_per_epoch, self.prefetch = steps_per_epoch, prefetch
         self.global_batch_size = global_batch_size
-        self.real_samples = real_samples
+        self.unpadded = unpadded
+        self.on_epoch = on_epoch
         self.last_batch: Any = None
-        self.last_real: int | None = None
+        self.last_unpadded: int | None = None
         self.epoch = 0
 
     def batches_per_epoch(self) -> int | None:
@@ -157,22 +303,22 @@ class DeviceLoader:
         return per * self.epochs
 
     def __iter__(self) -> Iterator[Any]:
-        from framework.steps import Prefetcher
-
         for epoch in range(self.epochs):
             self.epoch = epoch
+            if self.on_epoch is not None:
+                self.on_epoch(epoch)
             sampler: Any = getattr(self.loader, "sampler", None)
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(epoch)
             source = Prefetcher(iter(self.loader), self.transfer, depth=self.prefetch)
-            remaining = self.real_samples
+            remaining = self.unpadded
             try:
-                for i, batch in enumerate(source):
+                for i, (batch, _) in enumerate(source):
                     if self.steps_per_epoch is not None and i >= self.steps_per_epoch:
                         break
                     if remaining is not None:
-                        self.last_real = min(batch_size_of(batch), remaining)
-                        remaining -= self.last_real
+                        self.last_unpadded = min(batch_size_of(batch), remaining)
+                        remaining -= self.last_unpadded
                     self.last_batch = batch
                     yield batch
             finally:

@@ -7,6 +7,7 @@ CPU accelerator) without a branch anywhere else.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import datetime
@@ -127,6 +128,11 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+def collective_device() -> torch.device:
+    """Where small tensors for collectives live: this rank's GPU under nccl, the CPU under gloo."""
+    return device() if backend() == "nccl" else torch.device("cpu")
+
+
 def local_device_count() -> int:
     """How many worker processes this machine can host usefully (GPUs, else CPU cores)."""
     if cuda_available():
@@ -191,6 +197,15 @@ def init_process_group(timeout_s: float = 300.0) -> None:
     # ~45 s JIT build. Setting the table directly also skips DeepSpeed's probe of every op
     # (compiler subprocesses on first access); the comm backend is its only reader.
     vars(deepspeed.ops).setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
+    if not dist.is_initialized() and world_size() == 1:
+        # One process talks to nobody: an in-memory store, no port that another program could hold.
+        dist.init_process_group(
+            backend(),
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
     with contextlib.redirect_stdout(io.StringIO()):
         deepspeed.init_distributed(
             dist_backend=backend(),
@@ -199,6 +214,30 @@ def init_process_group(timeout_s: float = 300.0) -> None:
             timeout=datetime.timedelta(seconds=timeout_s),
         )
     _we_initialized = True
+    _tear_down_at_exit()
+
+
+_exit_hook_installed = False
+_failed = False
+
+
+def _tear_down_at_exit() -> None:
+    """A script that ends without destroying the group still exits cleanly (a 2-rank gloo exit
+    without it can SIGABRT): the group is destroyed at interpreter exit, waiting for the other
+    ranks only if this one did not die of an exception."""
+    global _exit_hook_installed
+    if _exit_hook_installed:
+        return
+    _exit_hook_installed = True
+    previous = sys.excepthook
+
+    def note_failure(*args: Any) -> None:
+        global _failed
+        _failed = True
+        previous(*args)
+
+    sys.excepthook = note_failure
+    atexit.register(lambda: destroy_process_group(sync=not _failed))
 
 
 def destroy_process_group(sync: bool = True, timeout_s: float = 30.0) -> None:
@@ -253,6 +292,12 @@ def to_device(batch: Any, dev: torch.device, float_dtype: torch.dtype | None = N
     return batch
 
 
+def barrier() -> None:
+    """Wait until every rank is here (nothing without a group of more than one)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank `src`'s `obj` on every rank (identity without a group)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
@@ -275,9 +320,27 @@ def all_reduce_mean(value: float) -> float:
     """Mean of a Python float over ranks."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return value
-    t = torch.tensor([value], dtype=torch.float64, device=device() if backend() == "nccl" else "cpu")
+    t = torch.tensor([value], dtype=torch.float64, device=collective_device())
     dist.all_reduce(t)
     return float(t.item()) / dist.get_world_size()
+
+
+def all_reduce_min(value: int) -> int:
+    """The smallest of every rank's integer."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when `flag` is True on at least one."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 @contextlib.contextmanager

@@ -19,9 +19,9 @@ from torch.utils.data import DataLoader, RandomSampler
 
 from framework import data as data_lib
 from framework import device as dev
-from framework.checkpoint import full_state_dict, load_full_state_dict, load_optimizer_state
 from framework.engine import Engine
-from framework.strategy import ConfigError, Strategy
+from framework.errors import ConfigError
+from framework.strategy import Strategy
 
 
 class DistModel:
@@ -94,15 +94,14 @@ class DistModel:
         return torch.tensor(loss) if loss is not None else None
 
     def state_dict(self, mode: str = "all") -> dict[str, Any]:
-        """ "param": full model weights (gathered under ZeRO-3, on every rank); "opt": this rank's
-        optimizer state (DeepSpeed's, partitioned under ZeRO); "all": {"model": ..., "optimizer": ...}."""
+        """ "param": full model weights (gathered under ZeRO-3, one module at a time, on every
+        rank); "opt": this rank's optimizer state (DeepSpeed's, partitioned under ZeRO); "all":
+        {"model": ..., "optimizer": ...}. Collective."""
         if mode not in ("all", "param", "opt"):
             raise ValueError(f"unknown state_dict mode {mode!r}; use 'all', 'param' or 'opt'")
-        params = full_state_dict(self._engine) if mode in ("all", "param") else None
-        opt = None
-        if mode in ("all", "opt"):
-            optimizer = self._engine.ds_engine.optimizer
-            opt = optimizer.state_dict() if optimizer is not None else {}
+        runtime = self._engine.runtime
+        params = runtime.full_state_dict(on_every_rank=True) if mode in ("all", "param") else None
+        opt = runtime.optimizer_state_dict() if mode in ("all", "opt") else None
         if mode == "param":
             return params  # type: ignore[return-value]
         if mode == "opt":
@@ -118,9 +117,9 @@ class DistModel:
         else:
             params, opt = None, state_dict
         if params is not None:
-            load_full_state_dict(self._engine, params)
+            self._engine.runtime.load_full_state_dict(params)
         if opt:
-            load_optimizer_state(self._engine, opt)
+            self._engine.runtime.load_optimizer_state_dict(opt)
 
 
 def _global_batch_size(loader: Any, engine: Engine) -> int | None:
@@ -160,8 +159,8 @@ def shard_dataloader(
     if not isinstance(loader, DataLoader) or loader.batch_size is None:
         raise TypeError("shard_dataloader needs a torch DataLoader built with batch_size=...")
     dev.init_process_group()
-    dp_size = engine.dp_size if engine is not None else dev.world_size()
-    dp_rank = engine.dp_rank if engine is not None else dev.rank()
+    dp_size = engine.runtime.dp_size if engine is not None else dev.world_size()
+    dp_rank = engine.runtime.dp_rank if engine is not None else dev.rank()
     if loader.batch_size % dp_size:
         raise ConfigError(
             f"the loader's batch_size {loader.batch_size} does not divide over {dp_size} data-parallel ranks; "

@@ -18,16 +18,17 @@ from pathlib import Path
 
 import torch
 
-from framework import checkpoint
-from framework.strategy import ConfigError
+from framework.checkpoint import store
+from framework.errors import CheckpointError, ConfigError
+from framework.weights import load_weights, save_weights
 
 
 def fp32_state_dict(ckpt: str | Path) -> dict[str, torch.Tensor]:
     """The full fp32 state dict of a checkpoint (a checkpoints dir or one checkpoint)."""
-    path = checkpoint.resolve(str(ckpt), None)
+    path = store.resolve(str(ckpt), None)
     if path is None:
         raise ConfigError(f"no complete checkpoint in {ckpt}")
-    meta = checkpoint.check(path)
+    meta = store.check(path)
     if int(meta.get("pipeline_stages", 1)) > 1:
         raise ConfigError(
             f"{path} is a pipeline checkpoint: export it from Python with Engine.save(path, training=False), "
@@ -42,31 +43,6 @@ def fp32_state_dict(ckpt: str | Path) -> dict[str, torch.Tensor]:
         return dict(get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name))
 
 
-def save_weights(state: dict[str, torch.Tensor], out: str | Path) -> Path:
-    """Write weights: safetensors for a `.safetensors` path, else a torch state dict."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Tied weights share storage; each file entry gets its own contiguous copy.
-    plain = {k: v.detach().cpu().contiguous().clone() for k, v in state.items()}
-    if out.suffix == ".safetensors":
-        from safetensors.torch import save_file
-
-        save_file(plain, str(out))
-    else:
-        torch.save(plain, out)
-    return out
-
-
-def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """Read what `save_weights` wrote (no code is executed from the file)."""
-    path = Path(path)
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(str(path))
-    return torch.load(path, weights_only=True, map_location="cpu")
-
-
 def main(argv: list[str] | None = None) -> int:
     """Command line: export CKPT_DIR to OUT."""
     parser = argparse.ArgumentParser(prog="python -m framework.export", description=__doc__.split("\n\n")[0])
@@ -77,12 +53,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         out = save_weights(fp32_state_dict(args.checkpoint), args.out)
-    except ConfigError as exc:
+    except (ConfigError, CheckpointError) as exc:
         print(f"Error: {exc}", file=sys.stderr)
         return 1
     print(f"wrote {out}")
     return 0
 
+
+__all__ = ["fp32_state_dict", "load_weights", "main", "save_weights"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from framework.callbacks import Callback, TrainState
+from framework.callbacks import Callback
+from framework.state import LoopState
 
 
 def _fmt(value: Any) -> str:
@@ -41,22 +42,17 @@ class ConsoleLogger(Callback):
         self._loss: float | None = None
         self.best: dict[str, float] = {}
 
-    def on_fit_start(self, state: TrainState) -> None:
+    def on_fit_start(self, state: LoopState) -> None:
         """Print what is about to run."""
-        engine = state.engine
+        info = state.info
         self._t0 = time.perf_counter()
-        if engine is None:
-            return
-        from framework import device
-
-        n = sum(int(getattr(p, "ds_numel", p.numel())) for p in engine.module.parameters())
         self.console.print(
-            f"[bold]{type(engine.module).__name__}[/bold] ({n:,} parameters) | {engine.strategy.describe()} | "
-            f"{engine.world_size} process(es) on {device.device().type} | global batch {state.global_batch_size} | "
+            f"[bold]{info.model_name}[/bold] ({info.parameters:,} parameters) | {info.strategy} | "
+            f"{info.world_size} process(es) on {info.device_type} | global batch {state.global_batch_size} | "
             f"{state.epochs} epoch(s) of {state.batches_per_epoch} batches per rank"
         )
 
-    def on_epoch_start(self, state: TrainState) -> None:
+    def on_epoch_start(self, state: LoopState) -> None:
         """Open this epoch's progress bar."""
         self._window_t, self._window_samples = time.perf_counter(), state.samples_seen
         if not self.live:
@@ -77,12 +73,12 @@ class ConsoleLogger(Callback):
             "train", total=state.batches_per_epoch, loss="-", lr="-", speed="-"
         )
 
-    def _speed(self, state: TrainState) -> float:
+    def _speed(self, state: LoopState) -> float:
         now = time.perf_counter()
         speed = (state.samples_seen - self._window_samples) / max(now - self._window_t, 1e-9)
         return speed
 
-    def on_step_end(self, state: TrainState) -> None:
+    def on_step_end(self, state: LoopState) -> None:
         """Advance the bar (every step) or print a line (at logging points without a terminal)."""
         if "loss" in state.logs:
             self._loss = state.logs["loss"]
@@ -102,13 +98,13 @@ class ConsoleLogger(Callback):
             )
             self._window_t, self._window_samples = time.perf_counter(), state.samples_seen
 
-    def on_validation_end(self, state: TrainState) -> None:
+    def on_validation_end(self, state: LoopState) -> None:
         """The validation before training starts gets a line of its own."""
         if state.global_step == 0:
             text = "  ".join(f"{k} {_fmt(v)}" for k, v in state.logs.items())
             self.console.print(f"before training: {text}")
 
-    def on_epoch_end(self, state: TrainState) -> None:
+    def on_epoch_end(self, state: LoopState) -> None:
         """One line per epoch with its training and validation numbers."""
         if self.progress is not None:
             self.progress.stop()
@@ -125,7 +121,7 @@ class ConsoleLogger(Callback):
             f"epoch {state.epoch + 1}/{state.epochs}  step {state.global_step}  {text}  ({state.elapsed_s:.1f} s)"
         )
 
-    def on_fit_end(self, state: TrainState) -> None:
+    def on_fit_end(self, state: LoopState) -> None:
         """A summary table: final and best value of each metric, time, where outputs are."""
         from rich.table import Table
 
@@ -159,9 +155,9 @@ class MetricsFile(Callback):
         self._file: Any = None
         self._state: Any = None
 
-    def on_fit_start(self, state: TrainState) -> None:
+    def on_fit_start(self, state: LoopState) -> None:
         """Open the file: fresh, or cut back to the resumed step."""
-        resumed = state.engine is not None and state.engine.resumed_from is not None
+        resumed = state.info.resumed_from is not None
         if resumed and self.path.exists():  # keep what was logged up to the checkpoint, drop the rest
             kept = self.path.read_text().splitlines()[: state.records_written]
             self.path.write_text("".join(line + "\n" for line in kept))
@@ -173,7 +169,7 @@ class MetricsFile(Callback):
         self._file.flush()
         self._state.records_written += 1
 
-    def on_step_end(self, state: TrainState) -> None:
+    def on_step_end(self, state: LoopState) -> None:
         """A record at each logging point."""
         if state.log_now:
             self._write(
@@ -188,18 +184,18 @@ class MetricsFile(Callback):
                 }
             )
 
-    def on_validation_end(self, state: TrainState) -> None:
+    def on_validation_end(self, state: LoopState) -> None:
         """A record for the validation before training starts."""
         if state.global_step == 0:
             self._write({"kind": "validation", "step": 0, "batches_total": 0, **state.logs})
 
-    def on_epoch_end(self, state: TrainState) -> None:
+    def on_epoch_end(self, state: LoopState) -> None:
         """A record with the epoch's summary (and validation)."""
         self._write(
             {"kind": "epoch", "step": state.global_step, "batches_total": state.batches_fetched, **state.logs}
         )
 
-    def on_fit_end(self, state: TrainState) -> None:
+    def on_fit_end(self, state: LoopState) -> None:
         """Close the file."""
         if self._file is not None:
             self._file.close()
@@ -239,7 +235,7 @@ class WandbLogger(Callback):
             return "online"  # `wandb login` stores the key there
         return "offline"
 
-    def on_fit_start(self, state: TrainState) -> None:
+    def on_fit_start(self, state: LoopState) -> None:
         """Start the wandb run inside the output dir."""
         import wandb
 
@@ -282,16 +278,16 @@ class WandbLogger(Callback):
         except Exception as exc:  # never kill training for a logging failure
             print(f"wandb: logging failed ({exc}); continuing", file=sys.stderr)
 
-    def on_step_end(self, state: TrainState) -> None:
+    def on_step_end(self, state: LoopState) -> None:
         """Log step metrics at logging points."""
         if state.log_now:
             self._log({f"train/{k}": v for k, v in state.logs.items()}, state.global_step)
 
-    def on_epoch_end(self, state: TrainState) -> None:
+    def on_epoch_end(self, state: LoopState) -> None:
         """Log the epoch summary."""
         self._log({f"epoch/{k}": v for k, v in state.logs.items()}, state.global_step)
 
-    def on_fit_end(self, state: TrainState) -> None:
+    def on_fit_end(self, state: LoopState) -> None:
         """Finish the run."""
         if self.run is not None:
             self.run.finish()

@@ -1,103 +1,121 @@
-"""The training, evaluation and prediction loops behind `Engine.fit` / `evaluate` / `predict`.
+"""The training loop behind `Engine.fit`.
 
-Each reads top to bottom: build this rank's loader, then call the step until the data (or
-`max_steps`) runs out, counting what the step really consumed.
+It works against a small protocol (`framework.evaluation.Host`: the runtime, the loop state,
+the metrics, the callbacks and the steps) and never imports the Engine. Each reads top to bottom: build this
+rank's loader, then call the step until the data (or `max_steps`) runs out, counting what the
+step really consumed. Losses stay on the device; they are read at logging points.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, fields
+from typing import Any
 
-import torch
-
-from framework import checkpoint
+from framework import checkpoint, watchdog
 from framework import data as data_lib
 from framework import device as dev
-from framework import pipeline as pipeline_lib
-from framework.callbacks import Event
-from framework.steps import BatchIterator, Prefetcher, bind_step
-from framework.strategy import ConfigError, batch_layout
-
-if TYPE_CHECKING:
-    from framework.engine import Engine
+from framework.callbacks import Callback, CallbackList, Control, Event
+from framework.errors import NonFiniteLoss
+from framework.evaluation import Host, evaluate
+from framework.runtime import param_counts
+from framework.state import LoopState
+from framework.steps import apply_train_result, bind_step, default_train_step
 
 # A step that pulls no batch this many times in a row would never end an epoch.
 MAX_IDLE_CALLS = 10_000
 
 
-class NonFiniteLoss(RuntimeError):
-    """The loss became NaN or infinite: training stops at that step (the last checkpoint stays)."""
+@dataclass
+class FitConfig:
+    """How `fit` trains: `Engine.fit`'s keyword arguments (the CLI fills them from `trainer.*`).
+
+    `batch_size` is global; `steps_per_epoch` caps optimizer steps per epoch; `log_freq` is in
+    optimizer steps; with `save_dir`, a checkpoint every `save_freq` optimizer steps (0: only at
+    the end), the newest `keep_last_k` kept; `resume` ("auto" or a path) continues one;
+    `handle_preemption` saves and stops at the next step boundary after SIGTERM."""
+
+    epochs: int = 1
+    batch_size: int = 1
+    steps_per_epoch: int | None = None
+    valid_freq: int = 1
+    log_freq: int = 10
+    max_steps: int | None = None
+    valid_batch_size: int | None = None
+    shuffle: bool = True
+    collate_fn: Callable | None = None
+    num_workers: int = 0
+    valid_at_start: bool = False
+    save_dir: str | None = None
+    save_freq: int = 0
+    keep_last_k: int | None = 3
+    resume: str | None = None
+    handle_preemption: bool = False
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The fields as keyword arguments (shallow: collate_fn stays the same object)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+# ---------------------------------------------------------------------------------------- fit
 
 
 def fit(
-    engine: Engine,
-    train_data: Any,
-    valid_data: Any,
-    epochs: int,
-    batch_size: int,
-    steps_per_epoch: int | None,
-    valid_freq: int,
-    log_freq: int,
-    max_steps: int | None,
-    valid_batch_size: int | None,
-    shuffle: bool,
-    collate_fn: Callable | None,
-    num_workers: int,
-    valid_at_start: bool = False,
-    save_dir: str | None = None,
-    save_freq: int = 0,
-    keep_last_k: int | None = 3,
-    resume: str | None = None,
-) -> dict[str, list[Any]]:
-    """Train for `epochs` epochs or `max_steps` optimizer steps; return per-epoch history.
-
-    With `save_dir`, checkpoints every `save_freq` optimizer steps and when training ends;
-    `resume` ("auto" or a path) continues exactly where a checkpoint left off."""
-    dev.init_process_group()
-    layout = batch_layout(engine.strategy, batch_size, engine.world_size)
+    host: Host, train_data: Any, valid_data: Any, cfg: FitConfig, callbacks: Iterable[Callback] = ()
+) -> Any:
+    """Train for `cfg.epochs` epochs or `cfg.max_steps` optimizer steps; return per-epoch history."""
+    runtime, st = host.runtime, host.state
+    runtime.start()
+    layout = runtime.fix_layout(cfg.batch_size)
     loader = data_lib.train_loader(
-        train_data,
-        layout.micro_batch_size,
-        engine.dp_size,
-        engine.dp_rank,
-        shuffle,
-        engine.seed,
-        collate_fn=collate_fn,
-        num_workers=num_workers,
-    )
+        train_data, layout.micro_batch_size, runtime.dp_size, runtime.dp_rank, cfg.shuffle, host.seed,
+        collate_fn=cfg.collate_fn, num_workers=cfg.num_workers,
+    )  # fmt: skip
     batches_per_epoch = len(loader)
-    if steps_per_epoch is not None:
-        batches_per_epoch = min(batches_per_epoch, steps_per_epoch * layout.accumulation_steps)
-    total = epochs * max(1, batches_per_epoch // layout.accumulation_steps)
-    engine.total_steps = min(total, max_steps) if max_steps else total
-    resume_from = checkpoint.resolve(resume, save_dir) if resume else None
-    if resume_from is not None and engine.ds_engine is None:
-        engine.load_universal = checkpoint.needs_universal(resume_from, engine)
-    engine.prepare("train", batch_size)
-    st = engine.state
-    st.epochs, st.max_steps, st.global_batch_size = epochs, max_steps, batch_size
-    st.batches_per_epoch, st.history, st.stop_training = batches_per_epoch, {}, False
+    if cfg.steps_per_epoch is not None:
+        batches_per_epoch = min(batches_per_epoch, cfg.steps_per_epoch * layout.accumulation_steps)
+    total = cfg.epochs * max(1, batches_per_epoch // layout.accumulation_steps)
+    host.total_steps = min(total, cfg.max_steps) if cfg.max_steps else total
+    resume_from = checkpoint.resolve(cfg.resume, cfg.save_dir) if cfg.resume else None
+    if resume_from is not None and not runtime.ready:
+        runtime.load_universal = checkpoint.needs_universal(resume_from, runtime.dp_size)
+    host.prepare("train", cfg.batch_size)
+    _start_run(host, cfg, batches_per_epoch)
+    parts = checkpoint.Stateful(runtime, st, host.metrics)
     if resume_from is not None:
-        checkpoint.load(engine, resume_from)
-        engine.resumed_from = str(resume_from)
-    if save_dir is not None:
-        manager = checkpoint.CheckpointManager(
-            save_dir, save_freq, keep_last_k, handle_preemption=engine.handle_preemption
-        )
-        manager.last_saved_step = st.global_step if resume_from is not None else -1
-        engine.callbacks.append(manager)  # after the loggers: a checkpoint includes this step's records
+        checkpoint.load(parts, resume_from)
+        st.info.resumed_from = str(resume_from)
+    events = _fit_callbacks(host, cfg, parts, callbacks, resumed=resume_from is not None)
     start = time.perf_counter()
-    engine.fire(Event.FIT_START)
-    if valid_data is not None and valid_at_start and st.global_step == 0:
-        val = engine.evaluate(valid_data, batch_size=valid_batch_size or batch_size, collate_fn=collate_fn)
-        st.logs = {f"val_{k}": v for k, v in val.items()}
-        for key, value in st.logs.items():
-            st.history[f"start_{key}"] = [value]
-        engine.fire(Event.VALIDATION_END)
-    for epoch in range(st.epoch, epochs):
+    events.fire(Event.FIT_START, st)
+    if valid_data is not None and cfg.valid_at_start and st.global_step == 0:
+        _validate(host, events, valid_data, cfg, history_prefix="start_")
+    try:
+        _epochs(host, events, loader, valid_data, cfg, batches_per_epoch, start)
+    except NonFiniteLoss as exc:  # checkpoints whose weights give this NaN must not be resumed
+        if exc.step is not None:
+            checkpoint.mark_bad(
+                st.poisoned_checkpoints(exc.step), f"its weights gave a NaN/inf loss at step {exc.step}"
+            )
+        raise
+    st.elapsed_s = time.perf_counter() - start
+    events.fire(Event.FIT_END, st)
+    return st.history
+
+
+def _epochs(
+    host: Host,
+    events: CallbackList,
+    loader: Any,
+    valid_data: Any,
+    cfg: FitConfig,
+    batches_per_epoch: int,
+    start: float,
+) -> None:
+    st = host.state
+    for epoch in range(st.epoch, cfg.epochs):
         if st.stop_training or (st.max_steps is not None and st.global_step >= st.max_steps):
             break
         resuming = epoch == st.epoch and st.batches_in_epoch > 0  # a checkpoint taken mid-epoch
@@ -105,27 +123,71 @@ def fit(
         loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
         if resuming:
             _restore_position(loader, st)
-        logs = train_epoch(engine, loader, batches_per_epoch, log_freq, resuming)
-        if valid_data is not None and (epoch + 1) % valid_freq == 0:
-            val = engine.evaluate(
-                valid_data, batch_size=valid_batch_size or batch_size, collate_fn=collate_fn
-            )
-            logs.update({f"val_{k}": v for k, v in val.items()})
-            st.logs = dict(logs)
-            engine.fire(Event.VALIDATION_END)
+        logs = train_epoch(host, events, loader, batches_per_epoch, cfg.log_freq, resuming)
+        if valid_data is not None and (epoch + 1) % cfg.valid_freq == 0:
+            logs.update(_validate(host, events, valid_data, cfg, logs=logs))
         for key, value in logs.items():
             st.history.setdefault(key, []).append(value)
-        st.logs = dict(logs, epoch=epoch + 1)
-        st.elapsed_s = time.perf_counter() - start
-        engine.fire(Event.EPOCH_END)
+        st.logs, st.elapsed_s = dict(logs, epoch=epoch + 1), time.perf_counter() - start
+        events.fire(Event.EPOCH_END, st)
         if st.stop_training:
             break
-    st.elapsed_s = time.perf_counter() - start
-    engine.fire(Event.FIT_END)
-    return st.history
 
 
-def _restore_position(loader: Any, st: Any) -> None:
+def _start_run(host: Host, cfg: FitConfig, batches_per_epoch: int) -> None:
+    runtime, st = host.runtime, host.state
+    st.epochs, st.max_steps, st.global_batch_size = cfg.epochs, cfg.max_steps, cfg.batch_size
+    st.batches_per_epoch, st.history, st.stop_training, st.stop_reason = batches_per_epoch, {}, False, ""
+    assert runtime.module is not None
+    st.info.model_name = type(runtime.module).__name__
+    st.info.parameters = param_counts(runtime.module)[0]
+    st.info.strategy, st.info.world_size = runtime.strategy.describe(), runtime.world_size
+    st.info.device_type, st.info.deepspeed_config = dev.device().type, dict(runtime.config or {})
+
+
+def _fit_callbacks(
+    host: Host, cfg: FitConfig, parts: checkpoint.Stateful, extra: Iterable[Callback], resumed: bool
+) -> CallbackList:
+    """This fit's callbacks: the engine's, the call's, then the checkpoint manager (last, so a
+    checkpoint includes this step's records); their `Control`."""
+    events = CallbackList([*host.callbacks.callbacks, *extra])
+    manager = None
+    if cfg.save_dir is not None:
+        manager = checkpoint.CheckpointManager(
+            parts, cfg.save_dir, cfg.save_freq, cfg.keep_last_k, cfg.handle_preemption,
+            on_saved=lambda: events.fire(Event.CHECKPOINT_SAVED, host.state),
+        )  # fmt: skip
+        manager.last_saved_step = host.state.global_step if resumed else -1
+        events.extend([manager])
+    events.control = Control(
+        host.state,
+        save_weights=lambda path: host.save(path, training=False),
+        save_checkpoint=manager.save_now if manager is not None else None,
+    )
+    return events
+
+
+def _validate(
+    host: Host,
+    events: CallbackList,
+    valid_data: Any,
+    cfg: FitConfig,
+    logs: dict[str, Any] | None = None,
+    history_prefix: str | None = None,
+) -> dict[str, Any]:
+    """Evaluate, fire VALIDATION_END with the val_* values in the logs, and return them."""
+    host.prepare("eval")
+    batch_size = cfg.valid_batch_size or cfg.batch_size
+    val = {f"val_{k}": v for k, v in evaluate(host, valid_data, batch_size, None, cfg.collate_fn).items()}
+    host.state.logs = {**(logs or {}), **val}
+    if history_prefix is not None:
+        for key, value in val.items():
+            host.state.history[f"{history_prefix}{key}"] = [value]
+    events.fire(Event.VALIDATION_END, host.state)
+    return val
+
+
+def _restore_position(loader: Any, st: LoopState) -> None:
     """Put the loader where the checkpoint's step left it: its saved state (same world size), or
     the same global sample skipped to (another world size)."""
     if st.loader_state is not None:
@@ -141,230 +203,121 @@ def _restore_position(loader: Any, st: Any) -> None:
     loader.load_state_dict(state)
 
 
+# ---------------------------------------------------------------------------------------- one epoch
+
+
 def train_epoch(
-    engine: Engine, loader: Any, batches_per_epoch: int, log_freq: int, resuming: bool = False
+    host: Host,
+    events: CallbackList,
+    loader: Any,
+    batches_per_epoch: int,
+    log_freq: int,
+    resuming: bool = False,
 ) -> dict[str, Any]:
-    """One epoch: call the step until the loader is exhausted (StopIteration) or training stops.
-    `resuming` continues an epoch a checkpoint interrupted (its counters and metrics restored)."""
-    st = engine.state
-    engine.model.train()
+    """One epoch: call the step while batches are left (a step is never called on an empty epoch)
+    or training stops. `resuming` continues an epoch a checkpoint interrupted."""
+    st, runtime = host.state, host.runtime
+    runtime.train()
     if not resuming:
-        engine.reset_metrics()
-        st.batches_in_epoch = st.step_calls = 0
-        st.epoch_loss_sum, st.epoch_loss_count, st.window_loss_sum, st.window_loss_count = 0.0, 0, 0.0, 0
-    engine.fire(Event.EPOCH_START)
+        host.metrics.train.reset()
+        st.start_epoch()
+    events.fire(Event.EPOCH_START, st)
 
     def on_fetch(batch: Any) -> None:
         st.batches_in_epoch += 1
         st.batches_fetched += 1
-        st.samples_seen += data_lib.batch_size_of(batch) * engine.dp_size
-        st.loader_state = source.last_snapshot
+        st.samples_seen += data_lib.batch_size_of(batch) * runtime.dp_size
+        st.loader_state = batches.snapshot
 
-    source = Prefetcher(iter(loader), engine.transfer, depth=engine.prefetch, snapshot=loader.state_dict)
-    batches = BatchIterator(source, on_fetch, limit=batches_per_epoch - st.batches_in_epoch)
-    step = _train_step_caller(engine, batches)
+    source = data_lib.Prefetcher(iter(loader), runtime.transfer, host.prefetch, snapshot=loader.state_dict)
+    batches = data_lib.BatchIterator(source, on_fetch, limit=batches_per_epoch - st.batches_in_epoch)
+    step = _train_step_caller(host, batches)
     # A middle pipeline stage pulls no data, so every rank counts train_batch calls instead.
-    calls_per_epoch = (
-        batches_per_epoch // engine.strategy.accumulation_steps if engine.strategy.uses_pipeline else None
+    pipeline_calls = (
+        batches_per_epoch // runtime.strategy.accumulation_steps if runtime.strategy.uses_pipeline else None
     )
+    pending: list[Any] = []  # losses of the optimizer step in progress (dropped if fp16 skips it)
     idle_calls = 0
     try:
         while not st.stop_training:
             if st.max_steps is not None and st.global_step >= st.max_steps:
                 st.stop_training, st.stop_reason = True, f"reached trainer.max_steps={st.max_steps}"
                 break
-            if calls_per_epoch is not None and st.step_calls >= calls_per_epoch:
+            if pipeline_calls is not None and st.step_calls >= pipeline_calls:
                 break
-            fetched_before, steps_before = batches.fetched, engine.ds_engine.global_steps
-            skipped_before = engine.ds_engine.skipped_steps
-            engine.fire(Event.STEP_START)
+            if pipeline_calls is None and batches.exhausted():
+                break
+            fetched, boundaries, skipped = batches.fetched, runtime.global_steps, runtime.skipped_steps
+            events.fire(Event.STEP_START, st)
             try:
-                loss_value = consume_result(engine, step())
+                loss = apply_train_result(host, step())
             except StopIteration:
                 break
-            if loss_value is not None and not math.isfinite(loss_value):
-                if engine.ds_engine.skipped_steps > skipped_before:  # fp16 overflow: the scaler skipped it
-                    loss_value = None
-                else:
-                    raise NonFiniteLoss(
-                        f"loss became {loss_value} at step {engine.ds_engine.global_steps} (epoch {st.epoch + 1}, "
-                        f"batch {st.batches_in_epoch}); training stopped, last good checkpoint: "
-                        f"{st.last_checkpoint or 'none yet'}. Try a lower optimizer.lr or strategy.gradient_clip.max_norm=1.0"
-                    )
             st.step_calls += 1
-            if loss_value is not None:
-                st.epoch_loss_sum, st.epoch_loss_count = (
-                    st.epoch_loss_sum + loss_value,
-                    st.epoch_loss_count + 1,
-                )
-                st.window_loss_sum, st.window_loss_count = (
-                    st.window_loss_sum + loss_value,
-                    st.window_loss_count + 1,
-                )
-            idle_calls = (
-                idle_calls + 1 if batches.fetched == fetched_before and calls_per_epoch is None else 0
-            )
+            if loss is not None:
+                pending.append(loss)
+            _after_step(host, pending, boundaries, skipped, log_freq)
+            idle_calls = idle_calls + 1 if batches.fetched == fetched and pipeline_calls is None else 0
             if idle_calls >= MAX_IDLE_CALLS:
                 raise RuntimeError(f"the training step pulled no batch in {MAX_IDLE_CALLS} consecutive calls")
-            st.global_step = engine.ds_engine.global_steps
-            st.log_now = st.global_step > steps_before and st.global_step % max(1, log_freq) == 0
-            st.logs = {"batches": st.batches_in_epoch, "lr": engine.lr}
-            if st.log_now:
-                st.logs["loss"] = dev.all_reduce_mean(st.window_loss_sum / max(st.window_loss_count, 1))
-                st.window_loss_sum, st.window_loss_count = 0.0, 0
-            engine.fire(Event.STEP_END)
+            events.fire(Event.STEP_END, st)
     finally:
         source.close()
-    logs: dict[str, Any] = {
-        "loss": dev.all_reduce_mean(st.epoch_loss_sum / max(st.epoch_loss_count, 1)),
-        "lr": engine.lr,
-    }
-    logs.update(engine.compute_metrics())
+    return _epoch_logs(host, pending)
+
+
+def _epoch_logs(host: Host, pending: list[Any]) -> dict[str, Any]:
+    """The epoch's mean loss over all ranks, lr and training metrics; NaN/inf since the last
+    logging point stops training here."""
+    st = host.state
+    for loss in pending:  # an accumulation the epoch ended in the middle of
+        st.window_loss.add(loss, st.global_step)
+        st.epoch_loss.add(loss, st.global_step)
+    _reduced_window_loss(st)
+    logs: dict[str, Any] = {"loss": dev.all_reduce_mean(st.epoch_loss.mean()), "lr": host.runtime.lr}
+    logs.update(host.metrics.train.compute())
     return logs
 
 
-def _train_step_caller(engine: Engine, batches: BatchIterator) -> Callable[[], Any]:
-    """A zero-argument call of this engine's step flavour on `batches`."""
-    step_fn = engine.train_step_fn
-    if engine.strategy.uses_pipeline:
-        return lambda: float(pipeline_lib.train_batch(engine.ds_engine, batches))
-    if step_fn is not None:
-        call = bind_step(step_fn)
-        return lambda: call(engine, batches)
-    return lambda: engine.default_train_step(next(batches))
+def _after_step(host: Host, pending: list[Any], boundaries: int, skipped: int, log_freq: int) -> None:
+    """Count what a step call did: at an optimizer-step boundary its losses join the meters (or
+    are dropped with the step, when the fp16 loss scaler skipped it); logs at logging points."""
+    st, runtime = host.state, host.runtime
+    watchdog.beat()
+    applied_before = st.global_step
+    if runtime.global_steps > boundaries:
+        st.skipped_steps = runtime.skipped_steps
+        st.global_step = runtime.global_steps - runtime.skipped_steps
+        if runtime.skipped_steps == skipped:
+            for loss in pending:
+                st.window_loss.add(loss, st.global_step)
+                st.epoch_loss.add(loss, st.global_step)
+        pending.clear()
+    st.log_now = st.global_step > applied_before and st.global_step % max(1, log_freq) == 0
+    st.logs = {"batches": st.batches_in_epoch, "lr": runtime.lr}
+    if st.log_now:
+        st.logs["loss"] = _reduced_window_loss(st)
+        if st.skipped_steps:
+            st.logs["skipped_steps"] = st.skipped_steps
 
 
-def consume_result(engine: Engine, result: Any) -> float | None:
-    """Act on what a training step returned: a loss tensor is backpropagated and stepped; a dict
-    (the step optimised itself) is only logged; a float is a loss the pipeline engine already
-    stepped on."""
-    if isinstance(result, torch.Tensor):
-        engine.auto_step(result)
-        return float(result.detach().float().item())
-    if isinstance(result, dict):
-        loss = result.get("loss")
-        if isinstance(loss, torch.Tensor):
-            return float(loss.detach().float().item())
-        return float(loss) if loss is not None else None
-    if result is None or isinstance(result, float):
-        return result
-    raise TypeError(f"a training step must return a loss tensor, a dict or None, got {type(result).__name__}")
+def _reduced_window_loss(st: LoopState) -> float:
+    """The mean loss since the last logging point over all ranks (one device read); NaN/inf
+    there raises NonFiniteLoss on every rank, naming the first step it appeared at."""
+    bad = st.first_bad_loss()
+    value = dev.all_reduce_mean(st.window_loss.mean())
+    st.window_loss.reset()
+    if bad is not None or not math.isfinite(value):
+        step = dev.all_reduce_min(bad[0] if bad else st.global_step)
+        raise st.non_finite_error(step, bad[1] if bad else value)
+    return value
 
 
-@torch.no_grad()
-def evaluate(
-    engine: Engine, data: Any, batch_size: int, steps: int | None, collate_fn: Callable | None
-) -> dict[str, float]:
-    """Loss and metrics over `data`, every sample counted once across all ranks."""
-    if engine.strategy.uses_pipeline:
-        return _evaluate_pipeline(engine, data, batch_size, steps, collate_fn)
-    was_training = engine.module.training
-    engine.model.eval()
-    engine.reset_metrics()
-    loader = engine.dataloader(
-        data, batch_size=batch_size, collate_fn=collate_fn, steps_per_epoch=steps, mode="eval"
-    )
-    loss_sum, count = 0.0, 0
-    step_fn = engine.eval_step_fn
-    if step_fn is not None:  # a custom validation step: average what it returns
-        batches = BatchIterator(iter(loader), lambda batch: None)
-        call = bind_step(step_fn)
-        while True:
-            try:
-                result = call(engine, batches)
-            except StopIteration:
-                break
-            value = result.get("loss") if isinstance(result, dict) else result
-            if value is not None:
-                loss_sum, count = loss_sum + float(value), count + 1
-    else:
-        for batch in loader:
-            real = _real_in(loader, batch)
-            _, batch_loss = engine.eval_batch(batch, real)
-            if batch_loss is not None:
-                loss_sum, count = loss_sum + batch_loss * real, count + real
-    totals = dev.all_gather_object((loss_sum, count))
-    total_count = sum(c for _, c in totals)
-    result = {"loss": sum(s for s, _ in totals) / total_count} if total_count else {}
-    result.update(engine.compute_metrics())
-    engine.reset_metrics()
-    engine.model.train(was_training)
-    return result
-
-
-def _evaluate_pipeline(
-    engine: Engine, data: Any, batch_size: int, steps: int | None, collate_fn: Callable | None
-) -> dict[str, float]:
-    """Validation loss through the pipeline: `eval_batch` over full rounds of micro-batches (a
-    remainder smaller than one round is left out, so every sample that counts is real)."""
-    layout = batch_layout(engine.strategy, batch_size, engine.world_size)
-    loader = data_lib.train_loader(
-        data, layout.micro_batch_size, engine.dp_size, engine.dp_rank, shuffle=False, collate_fn=collate_fn
-    )
-    calls = len(loader) // layout.accumulation_steps
-    if steps is not None:
-        calls = min(calls, steps)
-    was_training = engine.module.training
-    source = Prefetcher(iter(loader), engine.transfer, depth=engine.prefetch)
-    losses = []
-    try:
-        for _ in range(calls):
-            losses.append(float(pipeline_lib.eval_batch(engine.ds_engine, source)))
-    finally:
-        source.close()
-    engine.model.train(was_training)
-    return {"loss": dev.all_reduce_mean(sum(losses) / len(losses))} if losses else {}
-
-
-def _real_in(loader: Any, batch: Any) -> int:
-    return loader.last_real if loader.last_real is not None else data_lib.batch_size_of(batch)
-
-
-@torch.no_grad()
-def predict(
-    engine: Engine, data: Any, batch_size: int, steps: int | None, collate_fn: Callable | None
-) -> list[Any]:
-    """Model outputs in dataset order, one CPU tensor per global batch."""
-    if engine.strategy.uses_pipeline:
-        raise ConfigError(
-            "predict() is not available with pipeline parallelism (outputs exist on the last stage only); "
-            "save the weights and predict without a pipeline"
-        )
-    was_training = engine.module.training
-    engine.model.eval()
-    loader = engine.dataloader(
-        data, batch_size=batch_size, collate_fn=collate_fn, steps_per_epoch=steps, mode="predict"
-    )
-    mine: list[torch.Tensor] = []
-    step_fn = engine.predict_step_fn
-    if step_fn is None:
-        for batch in loader:
-            inputs, _ = data_lib.split_batch(batch)
-            outputs = engine.model(*inputs)
-            if loader.last_real:
-                mine.append(outputs[: loader.last_real].detach().float().cpu())
-    else:  # a custom predict step, given one batch or the iterator
-        pulled: list[int] = []  # real samples of each batch the current call pulled
-        batches = BatchIterator(iter(loader), lambda batch: pulled.append(_real_in(loader, batch)))
-        call = bind_step(step_fn)
-        while True:
-            pulled.clear()
-            try:
-                outputs = call(engine, batches)
-            except StopIteration:
-                break
-            # An evaluation shard pads only its last batches, so the real samples come first.
-            real = int(sum(pulled))
-            if outputs is not None and real:
-                mine.append(outputs[:real].detach().float().cpu())
-    engine.model.train(was_training)
-    shards = [torch.cat(s) if s else None for s in dev.all_gather_object(mine)]
-    present = [s for s in shards if s is not None]
-    if not present:
-        return []
-    dp = engine.dp_size
-    out = present[0].new_empty((sum(len(s) for s in present), *present[0].shape[1:]))
-    for r, shard in enumerate(shards):
-        if shard is not None:  # rank r held samples r, r + dp, r + 2 dp, ...
-            out[r : r + len(shard) * dp : dp] = shard
-    return list(out.split(batch_size))
+def _train_step_caller(host: Host, batches: data_lib.BatchIterator) -> Callable[[], Any]:
+    """A zero-argument call of the host's step flavour on `batches`."""
+    if host.runtime.strategy.uses_pipeline:
+        return lambda: {"loss": host.runtime.train_batch(batches)}
+    if host.train_step_fn is not None:
+        call = bind_step(host.train_step_fn)
+        return lambda: call(host, batches)
+    return lambda: default_train_step(host, next(batches))

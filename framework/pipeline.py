@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from framework.strategy import ConfigError, Strategy
+from framework.errors import ConfigError
+from framework.strategy import Strategy
 
 SCHEDULES = ("1F1B",)
 
@@ -69,14 +70,29 @@ def build_pipeline_module(
     return pipe
 
 
-def train_batch(ds_engine: Any, batches: Iterator[Any]) -> torch.Tensor:
+def train_batch(pipe_engine: Any, batches: Iterator[Any]) -> torch.Tensor:
     """One pipeline optimizer step over `accumulate_steps` micro-batches pulled from `batches`."""
-    return ds_engine.train_batch(data_iter=batches)
+    return pipe_engine.train_batch(data_iter=batches)
 
 
-def eval_batch(ds_engine: Any, batches: Iterator[Any]) -> torch.Tensor:
+def eval_batch(pipe_engine: Any, batches: Iterator[Any]) -> torch.Tensor:
     """Mean loss over `accumulate_steps` micro-batches, without gradients (on every stage)."""
-    ds_engine.total_loss = None  # a previous train_batch leaves it set; eval_batch would reuse its shape
-    return ds_engine.eval_batch(
+    pipe_engine.total_loss = None  # a previous train_batch leaves it set; eval_batch would reuse its shape
+    return pipe_engine.eval_batch(
         data_iter=batches, return_logits=False, compute_loss=True, reduce_output="avg"
     )
+
+
+def local_state_dict(pipe: nn.Module, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The weights this stage holds, as CPU tensors under the model's own parameter names (tied
+    layers map onto the model attribute of their key)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    mine: dict[str, torch.Tensor] = {}
+    for child_name, child in pipe.named_children():
+        if child_name == "tied_modules":
+            for key, tied in child.named_children():
+                mine.update({f"{key}.{k}": v.detach().cpu().clone() for k, v in tied.state_dict().items()})
+        elif id(child) in names:
+            prefix = names[id(child)]
+            mine.update({f"{prefix}.{k}": v.detach().cpu().clone() for k, v in child.state_dict().items()})
+    return mine

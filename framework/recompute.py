@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from framework.strategy import ConfigError
+from framework.errors import ConfigError
 
 
 def _recomputed_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:

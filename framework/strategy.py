@@ -1,28 +1,23 @@
-"""`Strategy` (shaped like Paddle's auto-parallel Strategy) and the one function that turns it
-into a DeepSpeed config dict.
+"""`Strategy` (shaped like Paddle's auto-parallel Strategy), its validation, and the batch layout.
 
-This is the only module that knows DeepSpeed's JSON keys. Each section is a small dataclass;
-the same dataclasses are the Hydra schema of the `strategy` config group, so a typo'd key or a
-wrong type fails at composition.
+Pure: nothing here knows DeepSpeed (its JSON keys live in `framework.ds_config`). Each section
+is a small dataclass; the same dataclasses are the Hydra schema of the `strategy` config group,
+so a typo'd key or a wrong type fails at composition.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """A configuration that cannot run, with a message that says what to write instead."""
+from framework.errors import ConfigError
 
 
 @dataclass
 class Sharding:
     """ZeRO partitioning. `stage` 0 = plain data parallel; 1 = optimizer states; 2 = + gradients;
-    3 = + parameters. Size settings left as "auto" are sized from the model (see `auto_sizes`)."""
+    3 = + parameters. Size settings left as "auto" are sized from the model (see `framework.ds_config.auto_sizes`)."""
 
     stage: int = 0
     offload_optimizer: bool = False  # optimizer states and step on the CPU (stages 1-3)
@@ -34,6 +29,9 @@ class Sharding:
     max_live_parameters: Any = "auto"
     max_reuse_distance: Any = "auto"
     sub_group_size: Any = "auto"
+    # ZeRO-3: build the model whole and let DeepSpeed partition it, or build it partitioned inside
+    # deepspeed.zero.Init (never whole on one rank); auto: whole when it fits (framework.construct)
+    init: str = "auto"
 
 
 @dataclass
@@ -208,6 +206,8 @@ class Strategy:
                 f"strategy.sharding.allgather_bucket_size={bucket}: ZeRO-1/2 need an even size "
                 f"(DeepSpeed aligns it); use {int(bucket) + 1}, or auto"
             )
+        if s.init not in ("auto", "whole", "partitioned"):
+            raise ConfigError(f"strategy.sharding.init={s.init!r}; use auto, whole or partitioned")
         if self.amp.dtype not in ("bf16", "fp16"):
             raise ConfigError(f"strategy.amp.dtype={self.amp.dtype!r} is not supported; use bf16 or fp16")
         if self.gradient_merge.k_steps < 1:
@@ -247,7 +247,8 @@ class BatchLayout:
 
 
 def batch_layout(strategy: Strategy, global_batch_size: int, world_size: int) -> BatchLayout:
-    """Split `global_batch_size` over ranks and accumulation steps, or say in words why it cannot."""
+    """Split a global training batch over ranks and accumulation steps, or say in words why it
+    cannot. The one place the split is computed (`framework.runtime` owns the result)."""
     stages = strategy.pipeline.stages
     if world_size % stages != 0:
         raise ConfigError(
@@ -261,8 +262,7 @@ def batch_layout(strategy: Strategy, global_batch_size: int, world_size: int) ->
         lower = max(per, global_batch_size // per * per)
         raise ConfigError(
             f"global batch size {global_batch_size} does not divide over {dp} data-parallel rank(s) x "
-            f"{acc} accumulation step(s) (= {per}); use a multiple of {per}, e.g. "
-            f"trainer.batch_size={lower} or {lower + per}"
+            f"{acc} accumulation step(s) (= {per}); use a multiple of {per}, e.g. {lower} or {lower + per}"
         )
     micro = global_batch_size // per
     fixed = strategy.pipeline.micro_batch_size
@@ -270,125 +270,9 @@ def batch_layout(strategy: Strategy, global_batch_size: int, world_size: int) ->
         raise ConfigError(
             f"strategy.pipeline.micro_batch_size={fixed} disagrees with global batch {global_batch_size} = "
             f"micro x {acc} accumulate_steps x {dp} data-parallel rank(s) (micro would be {micro}); "
-            f"set trainer.batch_size={fixed * per} or leave micro_batch_size unset"
+            f"use a global batch of {fixed * per} or leave micro_batch_size unset"
         )
     return BatchLayout(global_batch_size, micro, acc, dp)
-
-
-def auto_sizes(num_params: int, largest_param: int) -> dict[str, int]:
-    """Size-dependent ZeRO settings from the model, for settings left as "auto".
-
-    Rule (documented in the README's strategy table), with P parameters and L the largest one,
-    every size clamped to 1e5 .. 5e8 elements and rounded up to a multiple of 64:
-      reduce / allgather bucket = min(L, P / 8)   small: a gradient bucket is a transient copy
-      ZeRO-3 prefetch bucket    = L               the next layer arrives while this one computes
-      max live parameters       = 2 x prefetch    about two of the largest layers gathered at once
-      max reuse distance        = prefetch        a gathered layer is kept only if reused that soon
-      persistence threshold     = 10 x sqrt(L)    biases / norms stay whole, like HF's 10 x hidden
-      sub group                 = P / 4           optimizer step in ~4 chunks (matters under offload)
-    DeepSpeed's own defaults (5e8-element buckets, 1e9 live and reuse distance) are sized for
-    large GPUs: with them ZeRO-3's peak on 2 CPU ranks for a 30 M MLP was 15% above ZeRO-0's,
-    with this rule ~4% below it (benchmarks/memory.py).
-    """
-
-    def clamp(n: int) -> int:
-        # a multiple of 64: DeepSpeed asserts alignment (ZeRO-1/2's allgather bucket must be even)
-        return -(-int(min(max(n, 100_000), 500_000_000)) // 64) * 64
-
-    largest = max(int(largest_param), 1)
-    bucket = clamp(min(largest, num_params // 8))
-    prefetch = clamp(largest)
-    return {
-        "reduce_bucket_size": bucket,
-        "allgather_bucket_size": bucket,
-        "prefetch_bucket_size": prefetch,
-        "param_persistence_threshold": int(10 * math.isqrt(largest)),
-        "max_live_parameters": 2 * prefetch,
-        "max_reuse_distance": prefetch,
-        "sub_group_size": -(-int(min(max(num_params // 4, 100_000), 1_000_000_000)) // 64) * 64,
-    }
-
-
-def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
-
-
-def deepspeed_config(
-    strategy: Strategy,
-    global_batch_size: int,
-    world_size: int,
-    num_params: int = 0,
-    largest_param: int = 0,
-    load_universal: bool = False,
-) -> dict[str, Any]:
-    """The DeepSpeed config dict for `strategy` at this global batch and world size.
-
-    Pure: same inputs, same dict. `num_params`/`largest_param` size the "auto" ZeRO settings;
-    `load_universal` reads a checkpoint converted for another world size.
-    """
-    layout = batch_layout(strategy, global_batch_size, world_size)
-    s = strategy.sharding
-    zero: dict[str, Any] = {"stage": s.stage}
-    if s.stage >= 1:
-        sizes = auto_sizes(num_params, largest_param)
-        user = {k: getattr(s, k) for k in sizes}
-        chosen = {k: (sizes[k] if user[k] in (None, "auto") else int(user[k])) for k in sizes}
-        zero["reduce_bucket_size"] = chosen["reduce_bucket_size"]
-        zero["allgather_bucket_size"] = chosen["allgather_bucket_size"]
-        if s.stage == 3:
-            zero["stage3_prefetch_bucket_size"] = chosen["prefetch_bucket_size"]
-            zero["stage3_param_persistence_threshold"] = chosen["param_persistence_threshold"]
-            zero["stage3_max_live_parameters"] = chosen["max_live_parameters"]
-            zero["stage3_max_reuse_distance"] = chosen["max_reuse_distance"]
-            zero["sub_group_size"] = chosen["sub_group_size"]
-            zero["stage3_gather_16bit_weights_on_model_save"] = False
-        if s.offload_optimizer:
-            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
-        if s.offload_params:
-            zero["offload_param"] = {"device": "cpu", "pin_memory": False}
-    config: dict[str, Any] = {
-        "train_batch_size": layout.global_batch_size,
-        "train_micro_batch_size_per_gpu": layout.micro_batch_size,
-        "gradient_accumulation_steps": layout.accumulation_steps,
-        "steps_per_print": None,
-        "wall_clock_breakdown": False,
-        "zero_optimization": zero,
-        # We hand DeepSpeed torch optimizers (SGD, AdamW, ...) and keep them under offload too,
-        # which avoids the ~45 s JIT build of DeepSpeedCPUAdam on a first run.
-        "zero_allow_untested_optimizer": True,
-        "zero_force_ds_cpu_optimizer": False,
-    }
-    if strategy.amp.enable:
-        if strategy.amp.dtype == "bf16":
-            config["bf16"] = {"enabled": True}
-        else:
-            config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
-    # Always explicit: DeepSpeed 0.19 defaults to clipping at 1.0, which would silently change
-    # every update whose gradient norm exceeds 1.
-    config["gradient_clipping"] = float(max(strategy.gradient_clip.max_norm, 0.0))
-    if strategy.recompute.enable:
-        config["activation_checkpointing"] = {
-            "partition_activations": False,
-            "cpu_checkpointing": False,  # crashes on CPU (measured)
-            "contiguous_memory_optimization": False,
-        }
-    if load_universal:
-        config["checkpoint"] = {"load_universal": True}
-    optimizer = strategy.deepspeed.get("optimizer")
-    if isinstance(optimizer, dict) and str(optimizer.get("type", "")).lower() in ("adam", "adamw"):
-        # Without torch_adam DeepSpeed builds FusedAdam, a ~49 s JIT build.
-        params = dict(optimizer.get("params", {}))
-        params.setdefault("torch_adam", not s.offload_optimizer)
-        strategy_ds = _deep_merge(strategy.deepspeed, {"optimizer": {"params": params}})
-    else:
-        strategy_ds = strategy.deepspeed
-    return _deep_merge(config, strategy_ds)
 
 
 def compute_dtype_name(strategy: Strategy) -> str:

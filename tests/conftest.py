@@ -93,10 +93,13 @@ def compose():
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from framework.cli import normalize_overrides
+    from framework.argv import normalize
+    from framework.config import GROUPS, register_configs
+
+    register_configs()
 
     def _compose(overrides: list[str] | None = None):
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-            return hydra_compose(config_name="train", overrides=normalize_overrides(list(overrides or [])))
+            return hydra_compose(config_name="train", overrides=normalize(list(overrides or []), set(GROUPS)))
 
     return _compose

@@ -8,10 +8,12 @@ from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
-from framework.cli import normalize_overrides, prepare_argv
+from framework.argv import normalize
+from framework.cli import prepare_argv
 from framework.config import GROUPS, check_schema
 from framework.datasets import Splits
-from framework.strategy import ConfigError, Strategy
+from framework.errors import ConfigError
+from framework.strategy import Strategy
 
 from .conftest import CONF
 
@@ -37,10 +39,8 @@ def test_groups_match_the_defaults_list():
     "form", ["+metrics=none", "+loss=lm", "+hparams_search=optuna", "+callbacks=early_stopping"]
 )
 def test_plus_form_works_for_every_group(compose, form):
-    from framework.cli import normalize_overrides
-
     group, option = form[1:].split("=")
-    assert normalize_overrides([form]) == [f"{group}={option}"]
+    assert normalize([form], set(GROUPS)) == [f"{group}={option}"]
     cfg = compose([form])  # without the rewrite Hydra fails: "Multiple values for {group}"
     if group == "hparams_search":  # a global package: it sets keys elsewhere
         assert cfg.trainer.monitor == "val_loss"
@@ -71,7 +71,7 @@ def test_prepare_argv_rewrites_only_our_groups():
     ]
     prepare_argv(argv)
     assert argv[1:] == ["strategy=zero3", "++x=2", "-m", "experiment=digits_cnn", "+hydra/launcher=x"]
-    assert normalize_overrides(["+model=cnn"]) == ["model=cnn"]
+    assert normalize(["+model=cnn"], set(GROUPS)) == ["model=cnn"]
 
 
 @pytest.mark.parametrize("name", options("strategy"))

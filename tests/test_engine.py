@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import subprocess
 import sys
 
@@ -29,8 +30,7 @@ def make_engine(stage: int = 0, **kwargs) -> Engine:
         torch.nn.CrossEntropyLoss(),
         functools.partial(torch.optim.AdamW, lr=1e-2),
         torchmetrics.classification.MulticlassAccuracy(num_classes=10, average="micro"),
-        strategy=Strategy(sharding={"stage": stage}),
-        **kwargs,
+        **{"strategy": Strategy(sharding={"stage": stage}), **kwargs},
     )
 
 
@@ -38,7 +38,7 @@ def make_engine(stage: int = 0, **kwargs) -> Engine:
 def test_eval_shards_cover_every_sample_once(n, replicas):
     samplers = [EvalShardSampler(n, replicas, r) for r in range(replicas)]
     assert len({len(s) for s in samplers}) == 1  # equal lengths: no rank waits in a collective
-    real = [i for s in samplers for i in list(s)[: s.num_real]]
+    real = [i for s in samplers for i in list(s)[: s.unpadded]]
     assert sorted(real) == list(range(n))
 
 
@@ -55,8 +55,7 @@ def test_fit_returns_per_epoch_history_and_learns():
 
 def test_max_steps_counts_optimizer_steps_with_accumulation():
     splits = synthetic(num_samples=512)
-    engine = make_engine()
-    engine.strategy = Strategy(gradient_merge={"k_steps": 2})
+    engine = make_engine(strategy=Strategy(gradient_merge={"k_steps": 2}))
     engine.fit(splits.train, epochs=5, batch_size=32, max_steps=7)
     assert engine.state.global_step == 7
     assert engine.state.batches_fetched == 14  # two micro-batches of 16 per optimizer step
@@ -171,9 +170,7 @@ def _gpt_steps(
     for _ in range(steps):
         ids = torch.randint(0, 32, (8, 17), generator=g)
         losses.append(engine.run((ids[:, :-1], ids[:, 1:]), mode="train")["loss"])
-    from framework.checkpoint import full_state_dict
-
-    weights = {k: v.detach().clone() for k, v in full_state_dict(engine).items()}
+    weights = engine.runtime.full_state_dict()
     device.destroy_process_group()
     return losses, weights, len(calls)
 
@@ -207,7 +204,7 @@ def test_optimizer_named_in_the_strategy_trains_without_an_optimizer_argument():
     strategy = Strategy(deepspeed={"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
     engine = Engine(MLP(hidden=[32]), torch.nn.CrossEntropyLoss(), optimizer=None, strategy=strategy)
     history = engine.fit(splits.train, splits.valid, epochs=3, batch_size=32)
-    assert isinstance(engine.ds_engine.optimizer, torch.optim.AdamW)  # DeepSpeed built torch's AdamW
+    assert isinstance(engine.runtime.optimizer, torch.optim.AdamW)  # DeepSpeed built torch's AdamW
     assert engine.lr == pytest.approx(1e-2)
     assert history["val_loss"][-1] < history["val_loss"][0]
 
@@ -240,3 +237,34 @@ def test_digits_are_scikit_learns_digits_without_importing_it():
     code = "import sys; from framework.datasets import digits; digits(); print('sklearn' in sys.modules)"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert run.stdout.strip().splitlines()[-1] == "False"  # ~0.8 s of import a default run skips
+
+
+# ---------------------------------------------------------------- one owner for the batch layout
+
+
+def test_an_evaluation_batch_size_does_not_freeze_the_training_layout(tmp_path):
+    """evaluate(batch_size=120) before fit(batch_size=64): training and its checkpoint use 64;
+    a later training call with another global batch is a clear error."""
+    splits = synthetic(num_samples=512)
+    engine = make_engine()
+    engine.evaluate(splits.valid, batch_size=120)
+    engine.fit(splits.train, epochs=1, batch_size=64, save_dir=str(tmp_path))
+    assert engine.runtime.layout.micro_batch_size == 64
+    (saved,) = [p for p in tmp_path.iterdir() if p.name.startswith("step_")]
+    assert json.loads((saved / "COMPLETE.json").read_text())["micro_batch_size"] == 64
+    with pytest.raises(ConfigError, match="trains with a global batch of 64 .*not 32"):
+        engine.fit(splits.train, epochs=1, batch_size=32)
+
+
+def test_evaluation_is_not_split_into_accumulation_steps():
+    """With 4 accumulation steps, evaluate(batch_size=10) runs (evaluation never accumulates)."""
+    splits = synthetic(num_samples=300)
+    engine = make_engine(strategy=Strategy(gradient_merge={"k_steps": 4}))
+    x = torch.stack([splits.valid[i][0] for i in range(len(splits.valid))])
+    y = torch.stack([splits.valid[i][1] for i in range(len(splits.valid))])
+    for _ in range(2):  # before training (the first call builds DeepSpeed), and after
+        result = engine.evaluate(splits.valid, batch_size=10)
+        with torch.no_grad():
+            expected = float(torch.nn.functional.cross_entropy(engine.module(x), y))
+        assert result["loss"] == pytest.approx(expected, rel=1e-5)
+        engine.fit(splits.train, epochs=1, batch_size=32)

@@ -37,8 +37,7 @@ def make_engine(stage=0, loss=True, optimizer=True, **kwargs):
         torch.nn.CrossEntropyLoss() if loss else None,
         functools.partial(torch.optim.AdamW, lr=1e-2) if optimizer else None,
         accuracy(),
-        strategy=Strategy(sharding={"stage": stage}),
-        **kwargs,
+        **{"strategy": Strategy(sharding={"stage": stage}), **kwargs},
     )
 
 
@@ -99,13 +98,12 @@ def test_run_logs_loss_metrics_and_fetches():
 
 
 def test_run_splits_a_batch_into_accumulation_steps_and_steps_once():
-    engine = make_engine()
-    engine.strategy = Strategy(gradient_merge={"k_steps": 4})
+    engine = make_engine(strategy=Strategy(gradient_merge={"k_steps": 4}))
     loader = engine.dataloader(synthetic(num_samples=256).train, batch_size=32, mode="train")
     batch = next(iter(loader))
     assert len(batch[0]) == 32  # the global batch on one rank; run() makes 4 micro-batches of 8
     engine.run(batch, mode="train")
-    assert engine.ds_engine.global_steps == 1 and engine.ds_engine.micro_steps == 4
+    assert engine.runtime.global_steps == 1 and engine.runtime.micro_steps == 4
 
 
 def test_metrics_accumulate_across_runs_until_reset():
@@ -115,10 +113,10 @@ def test_metrics_accumulate_across_runs_until_reset():
     batches = list(loader)
     first = engine.run(batches[0], mode="eval")["accuracy"]
     engine.run(batches[1], mode="eval")
-    assert engine.metrics["accuracy"].update_count == 2
+    assert engine.metrics.eval["accuracy"].update_count == 2
     engine.reset_metrics()
     assert engine.run(batches[0], mode="eval")["accuracy"] == pytest.approx(first)
-    assert engine.metrics["accuracy"].update_count == 1
+    assert engine.metrics.eval["accuracy"].update_count == 1
 
 
 def test_eval_mode_changes_no_parameter():
@@ -133,10 +131,10 @@ def test_eval_mode_changes_no_parameter():
 def test_prepare_twice_is_a_no_op():
     engine = make_engine()
     engine.prepare("train", batch_size=8)
-    ds_engine = engine.ds_engine
+    ds_engine = engine.runtime.deepspeed_engine
     engine.prepare("train", batch_size=8)
     engine.prepare("eval")
-    assert engine.ds_engine is ds_engine
+    assert engine.runtime.deepspeed_engine is ds_engine
 
 
 def test_dataloader_from_generator():
@@ -170,10 +168,10 @@ def test_cost_matches_measured_model_state_bytes():
         engine.backward(engine.loss(engine.model(x), y))
         engine.step()  # optimizer states now exist
         # a boundary backward, as fit() and run() do: gradients held (reduced at ZeRO >= 1), before the step
-        engine.ds_engine.backward(engine.loss(engine.model(x), y))
+        engine.runtime.deepspeed_engine.backward(engine.loss(engine.model(x), y))
         measured, _ = live_tensor_bytes(exclude=base)
         assert measured == pytest.approx(estimate["total_bytes"], rel=0.10), stage
-        engine.ds_engine.step()
+        engine.runtime.deepspeed_engine.step()
         del engine
         device.destroy_process_group()
 
@@ -297,3 +295,24 @@ def test_run_in_predict_mode_uses_the_predict_step():
     out = engine.run((x, torch.zeros(8, dtype=torch.long)), mode="predict")["outputs"]
     with torch.no_grad():
         torch.testing.assert_close(out, engine.module(x).softmax(-1))
+
+
+def test_eval_metrics_are_not_mixed_with_training_metrics():
+    """Six epochs of run(mode="train"), then run(mode="eval") over the validation set: the
+    accuracy it reports is the accuracy of these weights on the validation set alone."""
+    torch.manual_seed(0)
+    train, valid = digits()
+    engine = Engine(
+        MLP(), torch.nn.CrossEntropyLoss(), functools.partial(torch.optim.AdamW, lr=3e-3), accuracy()
+    )
+    for batch in engine.dataloader(train, batch_size=64, shuffle=True, epochs=6, mode="train"):
+        engine.run(batch, mode="train")
+    logs = [engine.run(batch, mode="eval") for batch in engine.dataloader(valid, batch_size=64, mode="eval")]
+    x = torch.stack([valid[i][0] for i in range(len(valid))])
+    y = torch.stack([valid[i][1] for i in range(len(valid))])
+    with torch.no_grad():
+        expected = float((engine.module(x).argmax(1) == y).float().mean())
+    assert logs[-1]["accuracy"] == pytest.approx(expected, abs=1e-6)
+    # the next pass over the validation loader starts afresh: the same value again
+    again = [engine.run(batch, mode="eval") for batch in engine.dataloader(valid, batch_size=64, mode="eval")]
+    assert again[-1]["accuracy"] == pytest.approx(expected, abs=1e-6)

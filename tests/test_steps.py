@@ -70,8 +70,25 @@ def test_two_batch_step_counts_calls_batches_and_steps():
     st = engine.state
     assert (st.step_calls, st.batches_fetched, st.global_step, st.samples_seen) == (10, 20, 10, 160)
     assert rec.calls == [(i, 2 * i) for i in range(1, 11)]  # progress sees every fetched batch
-    # each call starts where the last ended; the 11th finds the epoch over (no STEP_END)
-    assert rec.starts == [(i, 2 * i) for i in range(0, 11)]
+    # each call starts where the last ended; no 11th call: the epoch is known to be over
+    assert rec.starts == [(i, 2 * i) for i in range(0, 10)]
+
+
+def test_a_step_is_never_called_on_an_exhausted_epoch():
+    """A 3-batch step over 20 batches: 7 calls, the last pulling the 2 that are left."""
+    pulls = []
+
+    def three_batch_step(engine, dataloader_iter):
+        got = []
+        try:
+            for _ in range(3):
+                got.append(next(dataloader_iter))
+        finally:
+            pulls.append(len(got))
+        return sum(engine.loss(engine.model(x), y) for x, y in got) / 3
+
+    engine_with(three_batch_step).fit(dataset(20), epochs=1, batch_size=8)
+    assert pulls == [3, 3, 3, 3, 3, 3, 2]
 
 
 def test_max_steps_counts_optimizer_steps_for_an_iterator_step():

@@ -7,17 +7,18 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
-from framework.strategy import (
-    Amp,
-    ConfigError,
-    Sharding,
-    Strategy,
-    auto_sizes,
-    batch_layout,
-    deepspeed_config,
-)
+from framework.ds_config import auto_sizes, deepspeed_config
+from framework.errors import ConfigError
+from framework.strategy import Amp, Sharding, Strategy, batch_layout
 
 from .conftest import CONF
+
+
+def config_for(strategy, global_batch_size, world_size, num_params=0, largest_param=0):
+    """The DeepSpeed config for this global batch on this many processes."""
+    layout = batch_layout(strategy, global_batch_size, world_size)
+    return deepspeed_config(strategy, layout, num_params, largest_param)
+
 
 STRATEGY_FILES = sorted(p.stem for p in (CONF / "strategy").glob("*.yaml"))
 
@@ -47,20 +48,20 @@ def test_every_strategy_file_is_covered():
 def test_pipeline_file_to_deepspeed_config():
     strategy = _from_file("pipeline")
     assert strategy.uses_pipeline and strategy.pipeline.stages == 2
-    ds = deepspeed_config(strategy, global_batch_size=32, world_size=2)  # 2 stages x 1 data-parallel rank
+    ds = config_for(strategy, global_batch_size=32, world_size=2)  # 2 stages x 1 data-parallel rank
     assert (
         ds["train_batch_size"],
         ds["train_micro_batch_size_per_gpu"],
         ds["gradient_accumulation_steps"],
     ) == (32, 8, 4)
     assert ds["zero_optimization"]["stage"] == 0
-    ds = deepspeed_config(strategy, global_batch_size=32, world_size=4)  # 2 stages x 2 data-parallel ranks
+    ds = config_for(strategy, global_batch_size=32, world_size=4)  # 2 stages x 2 data-parallel ranks
     assert ds["train_micro_batch_size_per_gpu"] == 4
 
 
 @pytest.mark.parametrize("name", [n for n in STRATEGY_FILES if n in EXPECTED])
 def test_strategy_file_to_deepspeed_config(name):
-    ds = deepspeed_config(
+    ds = config_for(
         _from_file(name), global_batch_size=64, world_size=2, num_params=10_000, largest_param=4_096
     )
     assert ds["train_batch_size"] == 64
@@ -75,7 +76,7 @@ def test_strategy_file_to_deepspeed_config(name):
 
 def test_batch_triple_with_accumulation():
     s = Strategy(sharding={"stage": 2}, gradient_merge={"k_steps": 4})
-    ds = deepspeed_config(s, global_batch_size=128, world_size=2)
+    ds = config_for(s, global_batch_size=128, world_size=2)
     assert (
         ds["train_batch_size"],
         ds["train_micro_batch_size_per_gpu"],
@@ -96,12 +97,12 @@ def test_sections_from_dicts_or_dataclasses_are_equal():
     a = Strategy(sharding={"stage": 3}, amp={"enable": True, "dtype": "bf16"})
     b = Strategy(sharding=Sharding(stage=3), amp=Amp(enable=True, dtype="bf16"))
     assert a == b
-    ds = deepspeed_config(a, 8, 1)
+    ds = config_for(a, 8, 1)
     assert ds["bf16"] == {"enabled": True}
 
 
 def test_fp16_section_has_dynamic_loss_scaling():
-    ds = deepspeed_config(Strategy(amp={"enable": True, "dtype": "fp16"}), 8, 1)
+    ds = config_for(Strategy(amp={"enable": True, "dtype": "fp16"}), 8, 1)
     assert ds["fp16"]["enabled"] is True and ds["fp16"]["loss_scale"] == 0
 
 
@@ -110,7 +111,7 @@ def test_raw_deepspeed_dict_is_merged_last():
         sharding={"stage": 2},
         deepspeed={"zero_optimization": {"overlap_comm": True}, "prescale_gradients": True},
     )
-    ds = deepspeed_config(s, 8, 1)
+    ds = config_for(s, 8, 1)
     assert ds["zero_optimization"]["overlap_comm"] is True
     assert ds["zero_optimization"]["stage"] == 2
     assert ds["prescale_gradients"] is True
@@ -118,17 +119,17 @@ def test_raw_deepspeed_dict_is_merged_last():
 
 def test_named_adam_optimizer_avoids_fused_adam_jit():
     s = Strategy(deepspeed={"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
-    assert deepspeed_config(s, 8, 1)["optimizer"]["params"] == {"lr": 1e-3, "torch_adam": True}
+    assert config_for(s, 8, 1)["optimizer"]["params"] == {"lr": 1e-3, "torch_adam": True}
 
 
 def test_gradient_clipping_is_off_unless_asked():
     """DeepSpeed's own default clips at 1.0; ours is off (0.0) unless the strategy asks."""
-    assert deepspeed_config(Strategy(), 8, 1)["gradient_clipping"] == 0.0
-    assert deepspeed_config(Strategy(gradient_clip={"max_norm": 0.5}), 8, 1)["gradient_clipping"] == 0.5
+    assert config_for(Strategy(), 8, 1)["gradient_clipping"] == 0.0
+    assert config_for(Strategy(gradient_clip={"max_norm": 0.5}), 8, 1)["gradient_clipping"] == 0.5
 
 
 def test_recompute():
-    ds = deepspeed_config(Strategy(recompute={"enable": True}), 8, 1)
+    ds = config_for(Strategy(recompute={"enable": True}), 8, 1)
     assert ds["activation_checkpointing"]["cpu_checkpointing"] is False
 
 
@@ -180,13 +181,11 @@ def test_auto_sizes_follow_the_documented_rule():
 
 
 def test_auto_values_reach_the_zero3_config_and_user_values_win():
-    ds = deepspeed_config(
-        Strategy(sharding={"stage": 3}), 8, 1, num_params=30_400_000, largest_param=4096 * 4096
-    )
+    ds = config_for(Strategy(sharding={"stage": 3}), 8, 1, num_params=30_400_000, largest_param=4096 * 4096)
     z = ds["zero_optimization"]
     assert z["reduce_bucket_size"] == 3_800_000 and z["stage3_prefetch_bucket_size"] == 4096 * 4096
     user = Strategy(sharding={"stage": 3, "reduce_bucket_size": 1234, "max_live_parameters": 999})
-    z = deepspeed_config(user, 8, 1, num_params=30_400_000, largest_param=4096 * 4096)["zero_optimization"]
+    z = config_for(user, 8, 1, num_params=30_400_000, largest_param=4096 * 4096)["zero_optimization"]
     assert z["reduce_bucket_size"] == 1234 and z["stage3_max_live_parameters"] == 999
     assert z["stage3_max_reuse_distance"] == 4096 * 4096  # still auto: not tied to max_live
     assert z["allgather_bucket_size"] == 3_800_000
@@ -194,9 +193,9 @@ def test_auto_values_reach_the_zero3_config_and_user_values_win():
 
 def test_config_is_pure():
     s = Strategy(sharding={"stage": 3}, deepspeed={"zero_optimization": {"overlap_comm": True}})
-    first = deepspeed_config(s, 16, 2, 1000, 100)
+    first = config_for(s, 16, 2, 1000, 100)
     first["zero_optimization"]["stage"] = 99
-    assert deepspeed_config(s, 16, 2, 1000, 100)["zero_optimization"]["stage"] == 3
+    assert config_for(s, 16, 2, 1000, 100)["zero_optimization"]["stage"] == 3
     assert s.deepspeed == {"zero_optimization": {"overlap_comm": True}}
 
 
@@ -208,6 +207,6 @@ def test_host_only_strategy_drops_offload_and_keeps_the_rest():
     assert (host.sharding.offload_optimizer, host.sharding.offload_params) == (False, False)
     assert host.sharding.stage == 3 and host.amp.enable
     assert s.sharding.offload_optimizer  # the original is not changed
-    assert "offload" not in json.dumps(deepspeed_config(host, 8, 1))
+    assert "offload" not in json.dumps(config_for(host, 8, 1))
     plain = Strategy(sharding={"stage": 2})
     assert plain.for_host_only() is plain

@@ -16,6 +16,33 @@ class RaiseOnRank(Callback):
             raise RuntimeError(f"injected failure on rank {self.rank} at step {state.global_step}")
 
 
+class StallOnRank(Callback):
+    """Hang one rank at one optimizer step (a rank stuck in its own code)."""
+
+    def __init__(self, rank: int = 1, step: int = 3):
+        self.rank, self.step = rank, step
+
+    def on_step_end(self, state):
+        import time
+
+        while device.rank() == self.rank and state.global_step >= self.step:
+            time.sleep(1)
+
+
+class KillRank(Callback):
+    """SIGKILL one rank at one optimizer step (a worker the OS killed)."""
+
+    def __init__(self, rank: int = 1, step: int = 3):
+        self.rank, self.step = rank, step
+
+    def on_step_end(self, state):
+        import os
+        import signal
+
+        if device.rank() == self.rank and state.global_step >= self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 class SlowDown(Callback):
     """Sleep after every step (numerics untouched): gives a test time to kill a run mid-way."""
 

@@ -11,7 +11,6 @@ from pathlib import Path
 import torch
 
 from framework import Engine, Strategy, device
-from framework.checkpoint import full_state_dict
 from framework.models import MLP
 
 out_dir = Path(sys.argv[1])
@@ -45,7 +44,7 @@ for stage in (0, 1, 2, 3):
         engine.backward(engine.loss(engine.model(xs[:half]), ys[:half]) / 2)
         engine.backward(engine.loss(engine.model(xs[half:]), ys[half:]) / 2)
         engine.step()
-    state = full_state_dict(engine)
+    state = engine.runtime.full_state_dict(on_every_rank=True)
     errors[stage] = max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items())
 device.destroy_process_group()
 (out_dir / f"rank{rank}.json").write_text(json.dumps(errors))

@@ -9,18 +9,19 @@ from pathlib import Path
 import torch
 
 from framework import Engine, Strategy, device
-from framework.engine import model_init_context
 from framework.models import MLP
-from framework.strategy import deepspeed_config
+from framework.runtime import Runtime
 
 out_dir = Path(sys.argv[1])
 # Nothing persistent (whole on every rank), so every parameter must be partitioned.
 strategy = Strategy(sharding={"stage": 3, "param_persistence_threshold": 0})
 device.init_process_group(timeout_s=60)
-with model_init_context(strategy, deepspeed_config(strategy, 8, device.world_size())):
+runtime = Runtime(strategy)
+runtime.fix_layout(8)
+with runtime.init_context():  # the model is born partitioned
     model = MLP(hidden=[256, 256])
 engine = Engine(
-    model, torch.nn.CrossEntropyLoss(), functools.partial(torch.optim.AdamW, lr=1e-3), strategy=strategy
+    model, torch.nn.CrossEntropyLoss(), functools.partial(torch.optim.AdamW, lr=1e-3), runtime=runtime
 )
 engine.prepare("train", batch_size=8)
 params = list(engine.module.parameters())

@@ -1,0 +1,215 @@
+"""The command line as Hydra will see it, and the checks made on it before Hydra composes.
+
+`HydraView` reads Hydra's own flags (`--config-path/-cp`, `--config-name/-cn`, `--config-dir/-cd`)
+and `hydra.searchpath=[...]`, and answers from Hydra's config loader over exactly that search
+path: which options a group has, which groups the primary config's defaults list holds, what a
+composition gives. So a user's own config dir, primary config and ConfigStore entries are first
+class: a pre-check never refuses what Hydra would accept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from framework.config import GROUPS, schema_field
+from framework.errors import ConfigError
+
+# Hydra's flags that take a value (`--flag value` or `--flag=value`).
+_VALUE_FLAGS = {
+    "--config-path": "config_path",
+    "-cp": "config_path",
+    "--config-name": "config_name",
+    "-cn": "config_name",
+    "--config-dir": "config_dir",
+    "-cd": "config_dir",
+    "--package": None,
+    "-p": None,
+    "--cfg": None,
+    "-c": None,
+    "--experimental-rerun": None,
+}
+_TYPED = ("trainer", "data", "strategy")  # groups whose keys the schema types
+
+
+@dataclass
+class HydraView:
+    """Where Hydra looks for configs, and the overrides it will apply."""
+
+    primary_dir: Path  # the app's config dir (train.py's `conf/`, or --config-path)
+    config_name: str = "train"
+    extra_dirs: list[str] = field(default_factory=list)  # --config-dir, as file:// entries
+    overrides: list[str] = field(default_factory=list)
+    searchpath_override: str | None = None  # a hydra.searchpath=[...] override, as given
+
+    @classmethod
+    def from_argv(cls, argv: list[str], default_dir: Path, default_name: str = "train") -> HydraView:
+        """Parse `argv[1:]` (flags and overrides) for an app whose configs are in `default_dir`."""
+        values: dict[str, str] = {}
+        overrides: list[str] = []
+        args = iter(argv[1:])
+        for arg in args:
+            flag, eq, value = arg.partition("=")
+            if arg.startswith("-") and flag in _VALUE_FLAGS:
+                value = value if eq else next(args, "")
+                if _VALUE_FLAGS[flag]:
+                    values[str(_VALUE_FLAGS[flag])] = value
+            elif not arg.startswith("-"):
+                overrides.append(arg)
+        primary = Path(values.get("config_path") or default_dir)
+        if not primary.is_absolute():
+            primary = (default_dir.parent / primary).resolve()
+        view = cls(primary, values.get("config_name", default_name), overrides=overrides)
+        if values.get("config_dir"):
+            view.extra_dirs.append(f"file://{Path(values['config_dir']).resolve()}")
+        view.searchpath_override = next((o for o in overrides if o.split("=")[0] == "hydra.searchpath"), None)
+        return view
+
+    @property
+    def customised(self) -> bool:
+        """False for the framework's own configs as shipped (the fast path: no loader needed)."""
+        return bool(self.extra_dirs or self.searchpath_override or self.config_name != "train")
+
+    def _search_overrides(self) -> list[str]:
+        """One hydra.searchpath override holding the --config-dir entries and the user's own."""
+        entries = list(self.extra_dirs)
+        if self.searchpath_override:
+            given = self.searchpath_override.split("=", 1)[1].strip().strip("[]")
+            entries += [e.strip().strip("'\"") for e in given.split(",") if e.strip()]
+        return [f"hydra.searchpath=[{','.join(entries)}]"] if entries else []
+
+    @contextlib.contextmanager
+    def _loader(self) -> Iterator[Any]:
+        from hydra import initialize_config_dir
+        from hydra.core.global_hydra import GlobalHydra
+
+        GlobalHydra.instance().clear()
+        try:
+            with initialize_config_dir(config_dir=str(self.primary_dir), version_base="1.3"):
+                yield GlobalHydra.instance().config_loader()
+        finally:
+            GlobalHydra.instance().clear()
+
+    def group_options(self, group: str) -> list[str] | None:
+        """The options of `group` Hydra would find, or None when it is not a group there."""
+        if not self.customised:
+            folder = self.primary_dir / group
+            return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else None
+        try:
+            with self._loader() as loader:
+                options = loader.get_group_options(
+                    group, config_name=self.config_name, overrides=self._search_overrides()
+                )
+        except Exception:  # noqa: BLE001 - Hydra will report it, with its own message
+            return None
+        return sorted(options) if options else None
+
+    def default_groups(self) -> set[str]:
+        """The groups the primary config's defaults list selects an option of."""
+        if not self.customised:
+            return set(GROUPS)
+        from hydra.types import RunMode
+
+        try:
+            with self._loader() as loader:
+                defaults = loader.compute_defaults_list(
+                    self.config_name, self._search_overrides(), RunMode.RUN
+                )
+        except Exception:  # noqa: BLE001
+            return set()
+        return {d.override_key.split("@")[0] for d in defaults.defaults if getattr(d, "override_key", None)}
+
+    def compose(self, overrides: list[str]) -> Any:
+        """What Hydra composes from these overrides (plus the search path), or None if it cannot."""
+        from hydra import compose
+
+        try:
+            with self._loader():
+                return compose(
+                    config_name=self.config_name, overrides=[*self._search_overrides(), *overrides]
+                )
+        except Exception:  # noqa: BLE001 - Hydra will report it, with its own message
+            return None
+
+
+def normalize(overrides: list[str], default_groups: set[str]) -> list[str]:
+    """`+group=x` and `group=x` both select an option of a group in the defaults list: Hydra
+    accepts only one form per entry, so the `+` of those groups (and of `+dry_run`) is dropped."""
+    out = []
+    for item in overrides:
+        if item.startswith("+") and not item.startswith("++"):
+            key = item[1:].split("=", 1)[0]
+            if key in default_groups or key == "dry_run":
+                item = item[1:]
+        out.append(item)
+    return out
+
+
+def check_group_choice(item: str, view: HydraView) -> None:
+    """Reject `group=option` when the group has no such option, listing the options (sweeps
+    `a,b` and lists `[a,b]` are checked element by element)."""
+    key, sep, value = item.lstrip("+").partition("=")
+    if not sep or "." in key or value in ("null", "") or key.startswith("hydra"):
+        return
+    options = view.group_options(key)
+    if options is None:
+        return
+    for choice in value.strip("[]").split(","):
+        choice = choice.strip()
+        if choice and choice not in options and not any(ch in choice for ch in "()*$"):
+            raise ConfigError(f"unknown {key} '{choice}'; options: {', '.join(options)}")
+
+
+def check_untyped_keys(view: HydraView) -> None:
+    """Reject `group.key=value` overrides of the untyped groups (model, optimizer, data.dataset,
+    ...) whose key the composed config does not have, naming the nearest key. Composes exactly
+    what Hydra will (the chosen options, the user's config dir and primary config) once, only
+    when such an override is present."""
+    targets = []
+    for item in view.overrides:
+        if item.startswith(("+", "~")):
+            continue
+        key, sep, _ = item.partition("=")
+        parts = key.split(".")
+        if not sep or len(parts) < 2 or key.startswith("hydra") or "/" in key:
+            continue
+        if parts[0] in _TYPED and schema_field(parts) is not None:
+            continue  # typed: check_override's job
+        targets.append(parts)
+    if not targets:
+        return
+    choices = [item for item in view.overrides if "=" in item and "." not in item.split("=")[0].lstrip("+")]
+    choices = [c if "," not in c or c.split("=", 1)[1].startswith("[") else c.split(",")[0] for c in choices]
+    cfg = view.compose([c for c in choices if "(" not in c and not c.startswith("hydra")])
+    if cfg is not None:
+        for parts in targets:
+            _check_key_path(cfg, parts)
+
+
+def _check_key_path(cfg: Any, parts: list[str]) -> None:
+    """A ConfigError naming the nearest key when `parts` leaves the keys `cfg` has."""
+    from omegaconf import DictConfig
+
+    node: Any = cfg
+    for depth, part in enumerate(parts):
+        if not isinstance(node, DictConfig):
+            return
+        known = [str(k) for k in node.keys()]  # (`in` is False for a ??? value)
+        if part not in known:
+            where = ".".join(parts[:depth])
+            close = difflib.get_close_matches(part, known, n=1)
+            hint = f"did you mean '{where}.{close[0]}'? " if close else ""
+            raise ConfigError(
+                f"unknown config key '{'.'.join(parts)}'; {hint}valid keys here: {', '.join(known)} "
+                f"(to add a new key write ++{'.'.join(parts)}=...)"
+            )
+        if depth == len(parts) - 1:
+            return
+        try:
+            node = node[part]
+        except Exception:  # noqa: BLE001 - a ??? or an interpolation: nothing more to check
+            return

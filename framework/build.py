@@ -1,0 +1,284 @@
+"""A composed config becomes objects: the one place (strategy, runtime, data, model, engine, fit config).
+
+`train(cfg, output_dir)` is one rank's run, a straight line::
+
+    process group -> Runtime(strategy) with the batch layout fixed -> data -> model (inside the
+    runtime's ZeRO-3 context) -> loss, metrics, optimizer, scheduler, loggers -> Engine.fit -> files
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+import random
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from framework import device as dev
+from framework import watchdog
+from framework.callbacks import Callback
+from framework.checkpoint import preemption
+from framework.config import check_schema
+from framework.ds_config import deepspeed_config
+from framework.engine import Engine
+from framework.errors import ConfigError
+from framework.launch import check_launched_devices
+from framework.loggers import MetricsFile
+from framework.loops import FitConfig
+from framework.runtime import Runtime, check_layout, param_counts
+from framework.state import LoopState
+from framework.strategy import Strategy
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (all devices)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def build_strategy(cfg: DictConfig) -> Strategy:
+    """The run's `Strategy` from the composed `strategy` node (validated)."""
+    return Strategy.from_config(cfg.strategy)
+
+
+def validate(cfg: DictConfig, world_size: int) -> Strategy:
+    """Checks that need no process group: schema, strategy, batch split over `world_size`."""
+    check_schema(cfg)
+    strategy = build_strategy(cfg)
+    _with_key("trainer.batch_size", check_layout, strategy, int(cfg.trainer.batch_size), world_size)
+    return strategy
+
+
+def _with_key(key: str, fn: Any, *args: Any) -> Any:
+    """Call `fn`; a ConfigError names the config key it is about."""
+    try:
+        return fn(*args)
+    except ConfigError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
+
+
+def build_fit_config(cfg: DictConfig, ckpt_dir: Path, handle_preemption: bool) -> FitConfig:
+    """`Engine.fit`'s arguments from `trainer.*` and `data.*`."""
+    t = cfg.trainer
+    return FitConfig(
+        epochs=t.epochs,
+        batch_size=t.batch_size,
+        steps_per_epoch=t.steps_per_epoch,
+        valid_freq=t.valid_every,
+        log_freq=t.log_every,
+        max_steps=t.max_steps,
+        valid_batch_size=t.valid_batch_size,
+        shuffle=cfg.data.shuffle,
+        num_workers=cfg.data.num_workers,
+        valid_at_start=t.valid_at_start,
+        save_dir=str(ckpt_dir) if t.checkpoint.enabled else None,
+        save_freq=t.checkpoint.every_n_steps,
+        keep_last_k=t.checkpoint.keep_last_k,
+        resume=t.resume,
+        handle_preemption=handle_preemption,
+    )
+
+
+def checkpoint_dir(cfg: DictConfig, output_dir: str | Path) -> Path:
+    """Where this run's checkpoints go: `trainer.checkpoint.dir`, else `<output dir>/checkpoints`."""
+    return (
+        Path(cfg.trainer.checkpoint.dir) if cfg.trainer.checkpoint.dir else Path(output_dir) / "checkpoints"
+    )
+
+
+def instantiate_with_context(node: DictConfig, context: dict[str, Any]) -> Any:
+    """Instantiate a logger or callback, giving it whichever of this run's `context` entries
+    (output_dir, run_config, group, name) its signature asks for and its config leaves unset."""
+    from hydra.utils import get_method
+
+    try:
+        params = inspect.signature(get_method(node._target_)).parameters
+    except Exception:
+        params = {}  # type: ignore[assignment]
+    extra = {k: v for k, v in context.items() if k in params and node.get(k) is None and v is not None}
+    # Passed at call time: Hydra would otherwise try to instantiate the _target_s inside run_config.
+    return instantiate(node, _partial_=True)(**extra)
+
+
+def _instantiate(node: Any, key: str) -> Any:
+    """`instantiate(node)`; a value of the wrong type for the target's parameter (what torch would
+    report from deep inside, e.g. `empty() received an invalid combination`) names the key."""
+    try:
+        return instantiate(node)
+    except InstantiationException:
+        mismatch = _type_mismatch(node, key)
+        if mismatch:
+            raise ConfigError(mismatch) from None
+        raise
+
+
+def _type_mismatch(node: Any, key: str) -> str | None:
+    """'model.in_features=abc: MLP takes an integer for in_features', or None."""
+    import typing
+
+    from hydra.utils import get_object
+
+    if not isinstance(node, DictConfig) or "_target_" not in node:
+        return None
+    try:
+        target: Any = get_object(node._target_)
+        hints = typing.get_type_hints(getattr(target, "__init__") if isinstance(target, type) else target)  # noqa: B009
+    except Exception:  # noqa: BLE001 - no usable annotations: nothing to say
+        return None
+    words = {int: "an integer", float: "a number", bool: "true or false"}
+    for item, value in node.items():
+        name = str(item)
+        expected = hints.get(name)
+        if expected in words and isinstance(value, str):
+            return f"{key}.{name}={value}: {getattr(target, '__name__', target)} takes {words[expected]} for {name}"
+    return None
+
+
+def _checked_optimizer(node: Any) -> Any:
+    """The optimizer factory; a learning rate that is not a finite positive number is named."""
+    optimizer = _instantiate(node, "optimizer")
+    lr = getattr(optimizer, "keywords", {}).get("lr")
+    if lr is not None and not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+        raise ConfigError(f"optimizer.lr={lr}: must be a finite number > 0")
+    return optimizer
+
+
+def _optional(node: Any) -> Any:
+    if node is None or (isinstance(node, DictConfig) and node.get("_target_") is None):
+        return None
+    return instantiate(node)
+
+
+class RunFiles(Callback):
+    """Rank 0 writes the DeepSpeed config that the engine really received, then the final metrics."""
+
+    def __init__(self, output_dir: Path):
+        self.output_dir = output_dir
+
+    def on_fit_start(self, state: LoopState) -> None:
+        """deepspeed_config.json next to the resolved config."""
+        with open(self.output_dir / "deepspeed_config.json", "w") as f:
+            json.dump(state.info.deepspeed_config, f, indent=2)
+
+    def on_fit_end(self, state: LoopState) -> None:
+        """final_metrics.json: the last value of each logged quantity."""
+        final = {k: v[-1] for k, v in state.history.items() if v}
+        final.update(step=state.global_step, batches=state.batches_fetched, samples=state.samples_seen)
+        with open(self.output_dir / "final_metrics.json", "w") as f:
+            json.dump(final, f, indent=2, default=float)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def print_plan(engine: Engine) -> None:
+    """What `+dry_run=true` prints: per-rank model-state memory and the DeepSpeed config."""
+    cost = engine.cost("train")
+    runtime = engine.runtime
+    print(
+        f"{type(engine.module).__name__}: {cost['parameters']:,} parameters (largest tensor "
+        f"{cost['largest_parameter']:,}) | {runtime.strategy.describe()} | {runtime.world_size} process(es), "
+        f"{cost['data_parallel_size']} data-parallel"
+    )
+    parts = ("params_bytes", "grads_bytes", "optimizer_bytes", "buffer_bytes")
+    print(
+        "per-rank model states: "
+        + ", ".join(f"{k.removesuffix('_bytes')} {_size(cost[k])}" for k in parts)
+        + f" = {_size(cost['total_bytes'])} (device {_size(cost['device_bytes'])}, cpu {_size(cost['cpu_bytes'])})"
+    )
+    if cost["deepspeed_estimate"]:
+        est = cost["deepspeed_estimate"]
+        print(
+            f"DeepSpeed's estimator (fp16 mixed precision): device {_size(est['device_bytes'])}, "
+            f"cpu {_size(est['cpu_bytes'])}"
+        )
+    assert runtime.layout is not None
+    numel, largest = param_counts(engine.module)
+    print(
+        "DeepSpeed config: " + json.dumps(deepspeed_config(runtime.strategy, runtime.layout, numel, largest))
+    )
+
+
+def _callbacks(cfg: DictConfig, out: Path, context: dict[str, Any]) -> list[Callback]:
+    """Loggers and run files (rank 0 only), then the configured callbacks."""
+    callbacks: list[Callback] = []
+    if dev.is_main_process():
+        callbacks += [
+            instantiate_with_context(node, context) for node in cfg.logger.values() if node is not None
+        ]
+        callbacks += [MetricsFile(out / "metrics.jsonl"), RunFiles(out)]
+    callbacks += [
+        instantiate_with_context(node, context) for node in cfg.callbacks.values() if node is not None
+    ]
+    return callbacks
+
+
+def train(cfg: DictConfig, output_dir: str | None, context: dict[str, Any] | None = None) -> float | None:
+    """Train in this process (one rank of the job): build everything from `cfg`, fit, write files."""
+    check_schema(cfg)
+    t = cfg.trainer
+    runtime = Runtime(build_strategy(cfg))
+    with dev.process_group(timeout_s=t.timeout_s):
+        _with_key("trainer.batch_size", runtime.fix_layout, int(t.batch_size))
+        if dev.launched():
+            check_launched_devices(int(t.devices))
+        out = Path(dev.broadcast_object(output_dir or os.path.join("outputs", "run")))
+        context = dict(
+            context or {}, output_dir=str(out), run_config=OmegaConf.to_container(cfg, resolve=True)
+        )
+        if dev.is_main_process():
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        seed_everything(t.seed)
+        splits = instantiate(cfg.data.dataset)
+        with runtime.init_context():
+            model = _instantiate(cfg.model, "model")
+        engine = Engine(
+            model,
+            loss=instantiate(cfg.loss),
+            optimizer=_checked_optimizer(cfg.optimizer),
+            metrics={name: instantiate(node) for name, node in cfg.metrics.items()},
+            scheduler=_optional(cfg.scheduler),
+            train_step=_optional(cfg.step),
+            eval_step=_optional(cfg.eval_step),
+            callbacks=_callbacks(cfg, out, context) if not cfg.dry_run else (),
+            seed=t.seed,
+            prefetch=cfg.data.prefetch,
+            runtime=runtime,
+        )
+        if cfg.dry_run:
+            if dev.is_main_process():
+                print_plan(engine)
+            return None
+        ckpt_dir = checkpoint_dir(cfg, out)
+        preempt = t.checkpoint.enabled and threading.current_thread() is threading.main_thread()
+        if preempt:
+            preemption.install_handler()
+        watchdog.start(float(t.timeout_s), dev.rank())  # a stuck rank ends the job within timeout_s
+        try:
+            history = engine.fit(
+                splits.train, splits.valid, **build_fit_config(cfg, ckpt_dir, preempt).as_kwargs()
+            )
+        finally:
+            watchdog.stop()
+        if dev.is_main_process() and engine.state.stop_reason.startswith("preempted"):
+            print(
+                f"{engine.state.stop_reason}; resume with trainer.resume=auto trainer.checkpoint.dir={ckpt_dir}"
+            )
+        values = history.get(t.monitor)
+        return float(values[-1]) if values else None

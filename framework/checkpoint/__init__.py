@@ -1,0 +1,26 @@
+"""Checkpoints that resume exactly and are never half-written, and preemption.
+
+* `store`       the layout on disk, atomic writes, COMPLETE.json, `latest`, prune, resolve,
+                conversion for another world size;
+* `manager`     saves and loads the stateful parts it is handed (runtime, loop state, metrics,
+                RNG), and the callback that saves on schedule;
+* `preemption`  the SIGTERM flag and the ranks' agreement on it.
+"""
+
+from framework.checkpoint.manager import CheckpointManager, Stateful, load, load_newest, needs_universal, save
+from framework.checkpoint.store import check, complete_checkpoints, find_resumable, mark_bad, resolve, tag_for
+
+__all__ = [
+    "CheckpointManager",
+    "Stateful",
+    "check",
+    "complete_checkpoints",
+    "find_resumable",
+    "load",
+    "load_newest",
+    "mark_bad",
+    "needs_universal",
+    "resolve",
+    "save",
+    "tag_for",
+]

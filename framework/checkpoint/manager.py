@@ -1,0 +1,331 @@
+"""Saving and loading the stateful parts of a run, and the callback that saves on schedule.
+
+The manager is handed what it saves (torchtitan's way): the runtime (DeepSpeed's weights,
+optimizer and scheduler files), the loop state (counters, history, loader position) and the
+metrics; it adds this rank's random number generators. It never sees the Engine.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import random
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from framework import device as dev
+from framework import watchdog
+from framework.callbacks import Callback
+from framework.checkpoint import preemption, safety, store
+from framework.errors import CheckpointError, ConfigError
+from framework.metrics import Metrics
+from framework.state import LoopState
+
+if TYPE_CHECKING:
+    from framework.runtime import Runtime
+
+
+@dataclass
+class Stateful:
+    """The parts of a run a checkpoint holds."""
+
+    runtime: Runtime
+    state: LoopState
+    metrics: Metrics
+
+
+# ---------------------------------------------------------------------------- RNG
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's generators: Python, NumPy, torch's CPU one and this rank's device one."""
+    np_state: Any = np.random.get_state()
+    device = dev.device()
+    return {
+        "python": random.getstate(),
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]],
+        "torch": torch.get_rng_state(),
+        "device": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+    }
+
+
+def restore_rng(saved: dict[str, Any]) -> None:
+    """Put back what `rng_state` returned (the device generator only on a device of that kind)."""
+    random.setstate(_as_tuple(saved["python"]))
+    np_state = saved["numpy"]
+    np.random.set_state((np_state[0], np_state[1].numpy(), *np_state[2:]))
+    torch.set_rng_state(saved["torch"])
+    device = dev.device()
+    if saved.get("device") is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(saved["device"], device)
+
+
+def _as_tuple(value: Any) -> Any:
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+# ---------------------------------------------------------------------------- save / load
+
+
+def rank_state(parts: Stateful) -> dict[str, Any]:
+    """Everything this rank needs to continue exactly where it is (plain data and CPU tensors)."""
+    return {
+        "loop": parts.state.state_dict(),
+        "metrics": {"train": parts.metrics.train.state_dict(), "eval": parts.metrics.eval.state_dict()},
+        "rng": rng_state(),
+        "world_size": dev.world_size(),
+        "dp_size": parts.runtime.dp_size,
+    }
+
+
+def setup_record(runtime: Runtime) -> dict[str, Any]:
+    """What a run must match to resume a checkpoint: ZeRO stage, pipeline stages, optimizer class,
+    parameter names and shapes."""
+    assert runtime.module is not None
+    return {
+        "zero_stage": runtime.strategy.sharding.stage,
+        "pipeline_stages": runtime.strategy.pipeline.stages,
+        "optimizer": runtime.optimizer_name,
+        "parameters": {
+            n: list(getattr(p, "ds_shape", p.shape)) for n, p in runtime.module.named_parameters()
+        },
+    }
+
+
+def _differences(path: Path, saved: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """One sentence naming how this run differs from the one that saved `path`, and what to do."""
+    fresh = (
+        f"or start this run from its weights: python -m framework.export {path} weights.safetensors, "
+        "then trainer.init_from=weights.safetensors"
+    )
+    if saved["zero_stage"] != now["zero_stage"] or saved["pipeline_stages"] != now["pipeline_stages"]:
+        return (
+            f"checkpoint {path} was saved with ZeRO stage {saved['zero_stage']} and {saved['pipeline_stages']} "
+            f"pipeline stage(s); this run uses ZeRO stage {now['zero_stage']} and {now['pipeline_stages']}: "
+            f"resume with strategy.sharding.stage={saved['zero_stage']}, {fresh}"
+        )
+    if saved["optimizer"] != now["optimizer"]:
+        return (
+            f"checkpoint {path} holds {saved['optimizer']} optimizer states; this run uses {now['optimizer']}: "
+            f"resume with the same optimizer, {fresh}"
+        )
+    a, b = saved["parameters"], now["parameters"]
+    if a != b:
+        names = sorted(set(a) ^ set(b)) or sorted(k for k in a if a[k] != b[k])
+        shown = ", ".join(f"{n} ({a.get(n, 'absent')} there, {b.get(n, 'absent')} here)" for n in names[:3])
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        return f"checkpoint {path} was saved from another model: {shown}{more}; {fresh}"
+    return None
+
+
+def _check_finite(parts: Stateful) -> None:
+    """Before a checkpoint is written: no NaN/inf loss since the last logging point, and finite
+    weights on every rank, so the last checkpoint is always a good one."""
+    state = parts.state
+    bad_loss = state.first_bad_loss()
+    assert parts.runtime.module is not None
+    finite = [torch.isfinite(p.detach()).all() for p in parts.runtime.module.parameters() if p.numel()]
+    bad = bad_loss is not None or not bool(torch.stack(finite).all() if finite else True)
+    if dev.any_rank(bad):
+        step = dev.all_reduce_min(bad_loss[0] if bad_loss else state.global_step + 1)
+        raise state.non_finite_error(step, bad_loss[1] if bad_loss else math.nan)
+
+
+def _write_files(parts: Stateful, ckpt_dir: Path, path: Path) -> BaseException | None:
+    """This rank's files of checkpoint `path`; the error, if writing failed."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        torch.save(rank_state(parts), store.rank_file(path, dev.rank()))
+        parts.runtime.save_checkpoint(str(ckpt_dir), path.name)
+    except (OSError, RuntimeError) as exc:
+        return exc
+    return None
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.1f} GiB"
+
+
+def _failed_save(ckpt_dir: Path, path: Path, exc: BaseException | None, last: str | None) -> CheckpointError:
+    """The partial dir is removed; the message says why (no space: how much was needed, how much is free)."""
+    written = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
+    if dev.is_main_process():
+        shutil.rmtree(path, ignore_errors=True)
+    text = str(exc) if exc is not None else "another rank could not write its files"
+    full = isinstance(exc, OSError) and exc.errno == errno.ENOSPC
+    if full or any(s in text for s in ("No space left", "inline_container", "file write failed")):
+        complete = store.complete_checkpoints(ckpt_dir)
+        need = sum(f.stat().st_size for f in complete[-1].rglob("*") if f.is_file()) if complete else written
+        free = shutil.disk_usage(ckpt_dir).free
+        return CheckpointError(
+            f"no space left in {ckpt_dir} to save {path.name} (need ~{_mib(need)}, {_mib(free)} free); the "
+            f"partial save was removed, last good checkpoint: {last or 'none'}"
+        )
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return CheckpointError(f"saving {path} failed ({first}); last good checkpoint: {last or 'none'}")
+
+
+def save(
+    parts: Stateful, ckpt_dir: str | Path, keep_last_k: int | None = None, reason: str = "request"
+) -> Path:
+    """Collective: every rank writes its part; rank 0 marks it complete, moves `latest`, prunes.
+    A save that fails on any rank leaves no partial dir behind and raises CheckpointError.
+    `reason` (schedule, preempted, end, request) is recorded in COMPLETE.json."""
+    _check_finite(parts)
+    with watchdog.suspended():
+        return _save(parts, Path(ckpt_dir), keep_last_k, reason)
+
+
+def _save(parts: Stateful, ckpt_dir: Path, keep_last_k: int | None, reason: str) -> Path:
+    runtime, state = parts.runtime, parts.state
+    path = ckpt_dir / store.tag_for(state.global_step)
+    if dev.is_main_process() and path.exists():  # a partial leftover of an earlier attempt
+        shutil.rmtree(path)
+    dev.barrier()
+    error = _write_files(parts, ckpt_dir, path)
+    if dev.any_rank(error is not None):  # every rank's files are written, or all give up together
+        raise _failed_save(ckpt_dir, path, error, state.last_checkpoint)
+    if dev.is_main_process():
+        layout = runtime.layout
+        meta = {
+            "step": state.global_step,
+            "epoch": state.epoch,
+            "world_size": dev.world_size(),
+            "dp_size": runtime.dp_size,
+            "micro_batch_size": layout.micro_batch_size if layout else 0,
+            "zero_stage": runtime.strategy.sharding.stage,
+            "pipeline_stages": runtime.strategy.pipeline.stages,
+            "setup": setup_record(runtime),
+            "reason": reason,
+            "time": time.time(),
+        }
+        store.mark_complete(path, meta)
+        if keep_last_k:
+            store.prune(ckpt_dir, keep_last_k)
+    dev.barrier()
+    return path
+
+
+def load(parts: Stateful, path: Path) -> None:
+    """Load a checkpoint into a built runtime: DeepSpeed's states, then the loop state. Every file
+    is verified first (checksums, no code in any pickle); a different setup is named."""
+    with watchdog.suspended():
+        _load(parts, path)
+
+
+def _load(parts: Stateful, path: Path) -> None:
+    runtime, state = parts.runtime, parts.state
+    meta = store.check(path)
+    difference = _differences(path, meta["setup"], setup_record(runtime)) if "setup" in meta else None
+    if difference:
+        raise CheckpointError(difference)
+    same_layout = int(meta["dp_size"]) == runtime.dp_size and int(meta["world_size"]) == dev.world_size()
+    load_path = path
+    if not same_layout and int(meta["zero_stage"]) > 0:  # ZeRO-0 files are whole on every rank
+        load_path = store.to_universal(path)
+        store.check(load_path)
+    try:
+        loaded = runtime.load_checkpoint(str(load_path.parent), load_path.name)
+    except (ConfigError, CheckpointError):
+        raise
+    except Exception as exc:  # DeepSpeed's messages rarely name the file
+        raise CheckpointError(f"checkpoint {path} could not be loaded: {type(exc).__name__}: {exc}") from None
+    if loaded is None:
+        raise CheckpointError(
+            f"checkpoint {path} could not be loaded (DeepSpeed found no model states in it)"
+        )
+    saved = safety.load_safely(store.rank_file(load_path, dev.rank() if same_layout else 0))
+    state.load_state_dict(saved["loop"], with_position=same_layout)
+    if same_layout:  # per-rank metric states and generators do not map onto another world size
+        parts.metrics.train.load_state_dict(saved["metrics"]["train"], dev.device())
+        parts.metrics.eval.load_state_dict(saved["metrics"]["eval"], dev.device())
+        restore_rng(saved["rng"])
+        return
+    # Another layout: continue at the same sample of the epoch's order.
+    consumed = state.batches_in_epoch * int(meta["micro_batch_size"]) * int(meta["dp_size"])
+    assert runtime.layout is not None
+    state.batches_in_epoch = consumed // (runtime.layout.micro_batch_size * runtime.dp_size)
+    per_call = runtime.strategy.accumulation_steps if runtime.strategy.uses_pipeline else 1
+    state.step_calls = state.batches_in_epoch // per_call
+
+
+def load_newest(parts: Stateful, ckpt: str | Path) -> Path:
+    """Load a checkpoint, or the newest complete one in a checkpoints dir; returns which."""
+    found = store.resolve(str(ckpt), None)
+    if found is None:
+        raise CheckpointError(f"no complete checkpoint in {ckpt}")
+    load(parts, found)
+    return found
+
+
+def needs_universal(path: Path, dp_size: int) -> bool:
+    """True when the checkpoint holds ZeRO partitions for another data-parallel size than `dp_size`."""
+    meta = store.read_meta(path)
+    return int(meta["dp_size"]) != dp_size and int(meta["zero_stage"]) > 0
+
+
+class CheckpointManager(Callback):
+    """Saves every `every_n_steps` optimizer steps, when training ends, and on preemption (at
+    the first optimizer-step boundary after every rank agrees that one of them got SIGTERM)."""
+
+    def __init__(
+        self,
+        parts: Stateful,
+        ckpt_dir: str | Path,
+        every_n_steps: int = 0,
+        keep_last_k: int | None = 3,
+        handle_preemption: bool = False,
+        on_saved: Callable[[], None] | None = None,
+    ):
+        self.parts, self.ckpt_dir = parts, Path(ckpt_dir)
+        self.every_n_steps, self.keep_last_k = every_n_steps, keep_last_k
+        self.handle_preemption = handle_preemption
+        self.on_saved = on_saved
+        self.last_saved_step = -1
+        self._agreement = preemption.Agreement() if handle_preemption else None
+        self._preempted = False
+
+    def save_now(self, reason: str = "request") -> Path:
+        """Write a checkpoint of the current step (collective)."""
+        path = save(self.parts, self.ckpt_dir, self.keep_last_k, reason)
+        self.last_saved_step = self.parts.state.global_step
+        state = self.parts.state
+        state.last_checkpoint, state.last_checkpoint_time = str(path), time.time()
+        state.checkpoints[state.global_step] = str(path)
+        if self.on_saved is not None:
+            self.on_saved()
+        return path
+
+    def on_fit_start(self, state: LoopState) -> None:
+        """Take the checkpoint dir's lock for this run."""
+        store.acquire_lock(self.ckpt_dir)
+
+    def on_step_end(self, state: LoopState) -> None:
+        """Save on schedule or after preemption, at optimizer-step boundaries."""
+        if self._agreement is not None and self._agreement.poll():
+            self._preempted = True
+        if state.global_step == self.last_saved_step or not self.parts.runtime.at_step_boundary():
+            return
+        if self._preempted:
+            self.save_now("preempted")
+            state.stop_training = True
+            state.stop_reason = f"preempted (SIGTERM): checkpoint saved at step {state.global_step}"
+        elif self.every_n_steps and state.global_step % self.every_n_steps == 0:
+            self.save_now("schedule")
+
+    def on_fit_end(self, state: LoopState) -> None:
+        """One more checkpoint when training ends (unless this step was just saved); the lock goes back."""
+        if self._agreement is not None:
+            self._agreement.drain()
+        try:
+            if state.global_step != self.last_saved_step:
+                self.save_now("preempted" if self._preempted else "end")
+        finally:
+            store.release_lock(self.ckpt_dir)

@@ -1,0 +1,87 @@
+"""A checkpoint is checked before anything reads it: every file must be the one that was saved
+(a SHA-256 per file, recorded in COMPLETE.json) and must load with `torch.load(weights_only=True)`,
+so unpickling it can never run code. DeepSpeed's own loaders (`load_checkpoint`, `zero_to_fp32`,
+`ds_to_universal`) unpickle freely; they only ever see files that passed both checks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from framework.errors import CheckpointError
+
+# Files that hold only what is written into COMPLETE.json itself, or are rewritten after it.
+_UNHASHED = ("COMPLETE.json",)
+
+
+def allowed_classes() -> list[Any]:
+    """The few non-tensor classes real DeepSpeed checkpoint files hold (ZeRO 0-3, bf16/fp16)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def sha256(path: Path) -> str:
+    """Hex SHA-256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def digests(path: Path) -> dict[str, str]:
+    """{file path relative to the checkpoint dir: SHA-256} for every file of checkpoint `path`."""
+    return {
+        str(file.relative_to(path)): sha256(file)
+        for file in sorted(path.rglob("*"))
+        if file.is_file() and file.name not in _UNHASHED
+    }
+
+
+def load_safely(file: Path) -> Any:
+    """`torch.load` that can never run code from the file (CPU tensors, DeepSpeed's classes allowed)."""
+    with torch.serialization.safe_globals(allowed_classes()):
+        return torch.load(file, weights_only=True, map_location="cpu")
+
+
+def _check_loads_without_code(path: Path, file: Path) -> None:
+    try:
+        with torch.serialization.safe_globals(allowed_classes()):
+            torch.load(file, weights_only=True, map_location="cpu", mmap=True)  # mmap: tensors are not read
+    except pickle.UnpicklingError as exc:
+        needs = (
+            str(exc).split("Unsupported global:")[-1].strip().splitlines()[0]
+            if "Unsupported global" in str(exc)
+            else ""
+        )
+        what = f" ({needs.strip(' .')})" if needs else ""
+        raise CheckpointError(
+            f"checkpoint {path}: {file.name} would run code when loaded{what}; refusing to load it. "
+            "Only load checkpoints from a source you trust, or export its weights where it was made"
+        ) from None
+    except Exception as exc:  # noqa: BLE001 - truncated, not a torch file, ...
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"checkpoint {path} is damaged: {file} cannot be read ({first})") from None
+
+
+def verify(path: Path, meta: dict[str, Any]) -> None:
+    """Raise CheckpointError unless every recorded file is unchanged and every torch file of
+    checkpoint `path` loads without running code."""
+    for name, digest in (meta.get("files") or {}).items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {path} is damaged: {name} is missing")
+        if sha256(file) != digest:
+            raise CheckpointError(
+                f"checkpoint {path} is damaged: {name} is not the file that was saved (its checksum differs)"
+            )
+    for file in sorted(path.rglob("*.pt")):
+        _check_loads_without_code(path, file)

@@ -1,0 +1,134 @@
+"""Metrics per mode: training and evaluation keep separate state (as Lightning does per stage).
+
+`Metrics` holds the user's torchmetrics objects for training and a copy of each for evaluation,
+so evaluating in the middle of an epoch never mixes its samples into the training numbers.
+State goes in and out through torchmetrics' public API (`metric_state`, `load_state_dict`).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+
+def metric_name(metric: Any) -> str:
+    """`MulticlassAccuracy` -> "accuracy"."""
+    name = type(metric).__name__
+    for prefix in ("Multiclass", "Multilabel", "Binary"):
+        if name.startswith(prefix) and len(name) > len(prefix):
+            name = name[len(prefix) :]
+    return name.lower()
+
+
+def named_metrics(metrics: Any) -> dict[str, Any]:
+    """A {name: metric} dict from a metric, a list of them or a dict."""
+    if metrics is None:
+        return {}
+    if isinstance(metrics, dict) or hasattr(metrics, "items"):
+        return dict(metrics.items())
+    if not isinstance(metrics, (list, tuple)):
+        metrics = [metrics]
+    return {metric_name(m): m for m in metrics}
+
+
+class MetricSet:
+    """Named metrics that accumulate together until `reset()`."""
+
+    def __init__(self, metrics: dict[str, Any]):
+        self.metrics = metrics
+        self.updates = 0  # batches accumulated since the last reset
+
+    def __getitem__(self, name: str) -> Any:
+        return self.metrics[name]
+
+    def __iter__(self) -> Any:
+        return iter(self.metrics)
+
+    def __len__(self) -> int:
+        return len(self.metrics)
+
+    def to(self, device: torch.device) -> None:
+        """Move every metric's state to `device`."""
+        for metric in self.metrics.values():
+            metric.to(device)
+
+    def update(self, outputs: Any, labels: Any) -> None:
+        """Accumulate one batch. Argument checks (a host sync on GPU) run on the first batch only."""
+        if labels is None or not isinstance(outputs, torch.Tensor) or not self.metrics:
+            return
+        for metric in self.metrics.values():
+            metric.update(outputs.detach().float(), labels)
+            if getattr(metric, "validate_args", False):
+                metric.validate_args = False
+        self.updates += 1
+
+    def compute(self, prefix: str = "") -> dict[str, Any]:
+        """The accumulated values (synced across ranks by torchmetrics), as floats; {} before any update."""
+        if self.updates == 0:
+            return {}
+        out = {}
+        for name, metric in self.metrics.items():
+            value = metric.compute()
+            out[prefix + name] = (
+                float(value) if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+            )
+        return out
+
+    def reset(self) -> None:
+        """Clear the accumulated state."""
+        for metric in self.metrics.values():
+            metric.reset()
+        self.updates = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Each metric's state as CPU tensors (loadable on any device), and the update count."""
+        states = {
+            name: {k: _to_cpu(v) for k, v in metric.metric_state.items()}
+            for name, metric in self.metrics.items()
+        }
+        return {"metrics": states, "updates": self.updates}
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
+        """Put back what `state_dict` returned, on `device`."""
+        for name, metric in self.metrics.items():
+            if name in state["metrics"]:
+                metric.load_state_dict(dict(state["metrics"][name]), strict=False)
+                if device is not None:
+                    metric.to(device)
+        self.updates = int(state["updates"])
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, list):
+        return [_to_cpu(v) for v in value]
+    return value
+
+
+class Metrics:
+    """The training and the evaluation `MetricSet` of one engine."""
+
+    def __init__(self, metrics: Any = None):
+        named = named_metrics(metrics)
+        self.train = MetricSet(named)
+        self.eval = MetricSet({name: copy.deepcopy(metric) for name, metric in named.items()})
+
+    def __bool__(self) -> bool:
+        return bool(len(self.train))
+
+    def for_mode(self, mode: str) -> MetricSet:
+        """The set `mode` accumulates into (predict uses none: the eval set, unused)."""
+        return self.train if mode == "train" else self.eval
+
+    def to(self, device: torch.device) -> None:
+        """Move both sets to `device`."""
+        self.train.to(device)
+        self.eval.to(device)
+
+    def reset(self) -> None:
+        """Clear both sets."""
+        self.train.reset()
+        self.eval.reset()

@@ -1,0 +1,90 @@
+"""Whole weights in and out of a model whose parameters may be ZeRO-3 partitions or pipeline stages.
+
+Gathering is done one module at a time (a module's own parameters only), so no rank ever holds
+more than one module's weights on the device at once, and the consolidated copy is kept on rank 0
+only unless every rank asks for it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from framework import device as dev
+from framework import pipeline as pipeline_lib
+
+
+def consolidate(
+    module: nn.Module, zero3: bool, pipe: nn.Module | None = None, on_every_rank: bool = False
+) -> dict[str, torch.Tensor]:
+    """`module`'s state dict as CPU tensors, on rank 0 ({} elsewhere unless `on_every_rank`).
+    Collective. `pipe`: the pipeline module whose stages hold the weights."""
+    import deepspeed
+
+    keep = on_every_rank or dev.is_main_process()
+    if pipe is not None:
+        parts = dev.all_gather_object(pipeline_lib.local_state_dict(pipe, module))
+        return {k: v for part in parts for k, v in part.items()} if keep else {}
+    entries = module.state_dict(keep_vars=True)  # parameter objects, not copies
+    keys_of: dict[int, list[str]] = {}
+    for key, value in entries.items():
+        keys_of.setdefault(id(value), []).append(key)
+    out: dict[str, torch.Tensor] = {}
+    for sub in module.modules():
+        own = [p for p in sub.parameters(recurse=False) if id(p) in keys_of]
+        with deepspeed.zero.GatheredParameters(own, modifier_rank=None, enabled=zero3 and bool(own)):
+            for p in own:
+                keys = keys_of.pop(id(p))
+                if keep:
+                    out.update({key: p.detach().cpu().clone() for key in keys})
+    if not keep:
+        return {}
+    for remaining in keys_of.values():  # buffers (never partitioned)
+        for key in remaining:
+            out[key] = entries[key].detach().cpu().clone()
+    return {key: out[key] for key in entries}
+
+
+def load_whole(module: nn.Module, zero3: bool, state: dict[str, Any]) -> None:
+    """Load complete weights into `module` (under ZeRO-3 rank 0's dict is the one used)."""
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0, enabled=zero3):
+        if not zero3 or dev.rank() == 0:
+            module.load_state_dict(state, strict=True)
+
+
+def save_weights(state: dict[str, torch.Tensor], out: str | Path) -> Path:
+    """Write weights: safetensors for a `.safetensors` path, else a torch state dict."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Tied weights share storage; each file entry gets its own contiguous copy.
+    plain = {k: v.detach().cpu().contiguous().clone() for k, v in state.items()}
+    if out.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        save_file(plain, str(out))
+    else:
+        torch.save(plain, out)
+    return out
+
+
+def save_consolidated(runtime: Any, path: str | Path) -> Path:
+    """The runtime's complete weights in fp32, written by rank 0 (`save_weights`). Collective."""
+    weights = runtime.full_state_dict()
+    if dev.is_main_process():
+        save_weights({k: v.float() if v.is_floating_point() else v for k, v in weights.items()}, path)
+    return Path(path)
+
+
+def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """Read what `save_weights` wrote (no code is executed from the file)."""
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    return torch.load(path, weights_only=True, map_location="cpu")
