@@ -23,8 +23,8 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from framework import checkpoint, construct, watchdog
 from framework import device as dev
-from framework import watchdog
 from framework.callbacks import Callback
 from framework.checkpoint import preemption
 from framework.config import check_schema
@@ -79,6 +79,7 @@ def build_fit_config(cfg: DictConfig, ckpt_dir: Path, handle_preemption: bool) -
         max_steps=t.max_steps,
         valid_batch_size=t.valid_batch_size,
         shuffle=cfg.data.shuffle,
+        collate_fn=_optional(cfg.data.collate_fn),
         num_workers=cfg.data.num_workers,
         valid_at_start=t.valid_at_start,
         save_dir=str(ckpt_dir) if t.checkpoint.enabled else None,
@@ -142,6 +143,17 @@ def _type_mismatch(node: Any, key: str) -> str | None:
         if expected in words and isinstance(value, str):
             return f"{key}.{name}={value}: {getattr(target, '__name__', target)} takes {words[expected]} for {name}"
     return None
+
+
+def _build_model(node: Any, runtime: Runtime) -> Any:
+    """The model, built as `strategy.sharding.init` says under ZeRO-3 (`framework.construct`)."""
+    try:
+        return construct.build_model(node, runtime)
+    except InstantiationException:
+        mismatch = _type_mismatch(node, "model")
+        if mismatch:
+            raise ConfigError(mismatch) from None
+        raise
 
 
 def _checked_optimizer(node: Any) -> Any:
@@ -246,8 +258,7 @@ def train(cfg: DictConfig, output_dir: str | None, context: dict[str, Any] | Non
             (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         seed_everything(t.seed)
         splits = instantiate(cfg.data.dataset)
-        with runtime.init_context():
-            model = _instantiate(cfg.model, "model")
+        model = _build_model(cfg.model, runtime)
         engine = Engine(
             model,
             loss=instantiate(cfg.loss),
@@ -260,6 +271,8 @@ def train(cfg: DictConfig, output_dir: str | None, context: dict[str, Any] | Non
             seed=t.seed,
             prefetch=cfg.data.prefetch,
             runtime=runtime,
+            label_key=cfg.data.label_key,
+            output_key=t.output_key,
         )
         if cfg.dry_run:
             if dev.is_main_process():
@@ -269,6 +282,10 @@ def train(cfg: DictConfig, output_dir: str | None, context: dict[str, Any] | Non
         preempt = t.checkpoint.enabled and threading.current_thread() is threading.main_thread()
         if preempt:
             preemption.install_handler()
+        resuming = t.resume and (t.resume != "auto" or checkpoint.find_resumable(ckpt_dir) is not None)
+        if t.init_from and not resuming:
+            engine.prepare("train", int(t.batch_size))
+            engine.load(str(t.init_from))  # a fresh start from these weights
         watchdog.start(float(t.timeout_s), dev.rank())  # a stuck rank ends the job within timeout_s
         try:
             history = engine.fit(

@@ -43,6 +43,8 @@ class DataConfig:
     shuffle: bool = True  # shuffle the training set each epoch
     num_workers: int = 0  # DataLoader worker processes
     prefetch: int = 2  # batches kept ready on the device ahead of the step
+    label_key: str = "labels"  # the labels' key in dict batches (the model gets the rest: model(**batch))
+    collate_fn: Any = None  # {_target_: ...} turning a list of samples into a batch (default: torch's)
 
 
 @dataclass
@@ -73,6 +75,10 @@ class TrainerConfig:
     verbose: bool = False  # show DeepSpeed's own logs and full tracebacks
     timeout_s: float = 300.0  # collective timeout: a dead rank fails the job instead of hanging it
     resume: str | None = None  # auto (the newest complete checkpoint in checkpoint.dir, if any) | PATH
+    init_from: str | None = None  # start from these weights (safetensors / torch state dict) unless resuming
+    output_key: str | None = (
+        None  # the field of a dict / ModelOutput the loss and metrics read (default: logits)
+    )
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 

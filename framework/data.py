@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import queue
 import threading
-from collections.abc import Callable, Iterator, Sized
+from collections.abc import Callable, Iterator, Mapping, Sized
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from framework.errors import ConfigError
+from framework.outputs import batch_size_of
 
 
 class EvalShardSampler(Sampler[int]):
@@ -99,27 +100,6 @@ def eval_loader(
     )
 
 
-def split_batch(batch: Any) -> tuple[tuple[Any, ...], Any]:
-    """Split a batch into (model inputs, labels): the last element of a tuple/list is the label;
-    a lone tensor or a dict is all inputs."""
-    if isinstance(batch, (tuple, list)):
-        if len(batch) == 1:
-            return (batch[0],), None
-        return tuple(batch[:-1]), batch[-1]
-    return (batch,), None
-
-
-def batch_size_of(batch: Any) -> int:
-    """Number of samples in a batch (the leading dimension of its first tensor)."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else 1
-    if isinstance(batch, (tuple, list)) and batch:
-        return batch_size_of(batch[0])
-    if isinstance(batch, dict) and batch:
-        return batch_size_of(next(iter(batch.values())))
-    return 1
-
-
 def split_micro_batches(batch: Any, parts: int) -> list[Any]:
     """Split every tensor of a batch along dim 0 into `parts` equal micro-batches."""
     if parts == 1:
@@ -131,7 +111,7 @@ def split_micro_batches(batch: Any, parts: int) -> list[Any]:
     if isinstance(batch, (list, tuple)):
         columns = [split_micro_batches(b, parts) for b in batch]
         return [type(batch)(col[i] for col in columns) for i in range(parts)]
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         split = {k: split_micro_batches(v, parts) for k, v in batch.items()}
         return [{k: v[i] for k, v in split.items()} for i in range(parts)]
     return [batch] * parts

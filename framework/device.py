@@ -17,7 +17,7 @@ import os
 import socket
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -287,7 +287,7 @@ def to_device(batch: Any, dev: torch.device, float_dtype: torch.dtype | None = N
         return type(batch)(*(to_device(b, dev, float_dtype) for b in batch))
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(b, dev, float_dtype) for b in batch)
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):  # dicts, Hugging Face's BatchEncoding
         return {k: to_device(v, dev, float_dtype) for k, v in batch.items()}
     return batch
 

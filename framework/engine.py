@@ -34,6 +34,7 @@ from framework.ds_config import configures_optimizer
 from framework.errors import ConfigError
 from framework.fine_grained import check_mode
 from framework.metrics import Metrics
+from framework.outputs import ModelLoss, is_model_loss
 from framework.runtime import Runtime
 from framework.state import LoopState
 from framework.steps import LossFunction, resolve_step
@@ -47,7 +48,9 @@ class Engine:
         model: the `nn.Module` to train (`engine.module`). `engine.model` is what runs it: call
             `engine.model(x)` in a custom step (DeepSpeed's engine once prepared, whose hooks
             gather ZeRO-3 parameters; the plain module before).
-        loss: `loss(outputs, labels) -> scalar`, e.g. `nn.CrossEntropyLoss()`.
+        loss: `loss(outputs, labels) -> scalar`, e.g. `nn.CrossEntropyLoss()`; it reads the logits of
+            a dict / ModelOutput (`output_key`). `"model"` (or `framework.outputs.ModelLoss()`): the
+            loss the model computes itself from `labels=`, Hugging Face style.
         optimizer: a torch optimizer, a factory taking parameters (Hydra `_partial_`), or None
             when the strategy's raw `deepspeed` config names one.
         metrics: torchmetrics metric(s), a list or a {name: metric} dict; evaluation uses a copy.
@@ -58,6 +61,9 @@ class Engine:
         seed: seed of the data shuffling.
         prefetch: batches kept ready on the device ahead of the step.
         runtime: a `Runtime` made earlier (to build the model inside its ZeRO-3 context).
+        label_key: the labels' key in dict batches (the model gets the rest as `model(**batch)`).
+        output_key: the field of a dict / ModelOutput the loss and metrics read (default: `logits`
+            when present, else the first tensor).
     """
 
     def __init__(
@@ -76,17 +82,26 @@ class Engine:
         seed: int = 0,
         prefetch: int = 2,
         runtime: Runtime | None = None,
+        label_key: str = "labels",
+        output_key: str | None = None,
     ):
         if runtime is None:
             runtime = Runtime(strategy if isinstance(strategy, Strategy) else Strategy(**(strategy or {})))
         self.runtime = runtime
         self.module = model
-        self.loss = LossFunction(loss) if loss is not None else None
+        self.label_key, self.output_key = label_key, output_key
+        self.loss: Any = ModelLoss() if is_model_loss(loss) else None
+        if loss is not None and self.loss is None:
+            self.loss = LossFunction(loss, output_key)
         self.optimizer_spec, self.scheduler_spec = optimizer, scheduler
         self.metrics = Metrics(metrics)
         self.train_step_fn = resolve_step(train_step, model, "training_step")
         self.eval_step_fn = resolve_step(eval_step, model, "validation_step")
         self.predict_step_fn = resolve_step(predict_step, model, "predict_step")
+        if self.strategy.uses_pipeline and isinstance(self.loss, ModelLoss):
+            raise ConfigError(
+                "pipeline parallelism needs a loss function (the last stage computes it), not loss=model"
+            )
         if self.strategy.uses_pipeline and (self.train_step_fn is not None or self.eval_step_fn is not None):
             raise ConfigError(
                 "custom training/validation steps cannot run with pipeline parallelism: "
@@ -149,7 +164,7 @@ class Engine:
             scheduler = self._scheduler_factory() if has_optimizer else None
             self.runtime.initialize(self.module, optimizer, scheduler, self.loss)
             self.metrics.to(dev.device())
-            if self.loss is not None and isinstance(self.loss.fn, nn.Module):
+            if isinstance(getattr(self.loss, "fn", None), nn.Module):
                 self.loss.fn.to(dev.device())
         self._prepared.add(mode)
 

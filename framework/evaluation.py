@@ -18,6 +18,7 @@ from framework import watchdog
 from framework.callbacks import CallbackList
 from framework.errors import ConfigError
 from framework.metrics import Metrics
+from framework.outputs import batch_size_of, concat, interleave, map_tensors, split_samples, take
 from framework.runtime import Runtime
 from framework.state import LoopState
 from framework.steps import (
@@ -38,6 +39,8 @@ class Host(Protocol):
     prefetch: int
     total_steps: int | None
     loss: Any
+    label_key: str
+    output_key: str | None
     train_step_fn: Callable[..., Any] | None
     eval_step_fn: Callable[..., Any] | None
     predict_step_fn: Callable[..., Any] | None
@@ -130,14 +133,15 @@ def _evaluate_pipeline(
 
 
 def _unpadded(loader: Any, batch: Any) -> int:
-    return loader.last_unpadded if loader.last_unpadded is not None else data_lib.batch_size_of(batch)
+    return loader.last_unpadded if loader.last_unpadded is not None else batch_size_of(batch)
 
 
 @torch.no_grad()
 def predict(
     host: Host, data: Any, batch_size: int, steps: int | None, collate_fn: Callable | None
 ) -> list[Any]:
-    """Model outputs in dataset order, one CPU tensor per global batch."""
+    """Model outputs in dataset order, one per global batch, in the structure the model returns
+    them (a tensor, a tuple, a dict, a ModelOutput), on the CPU, padding trimmed from every field."""
     runtime = host.runtime
     if runtime.strategy.uses_pipeline:
         raise ConfigError(
@@ -149,7 +153,7 @@ def predict(
     loader = host.dataloader(
         data, batch_size=batch_size, collate_fn=collate_fn, steps_per_epoch=steps, mode="predict"
     )
-    mine: list[torch.Tensor] = []
+    mine: list[Any] = []
     pulled: list[int] = []  # unpadded samples of each batch the current call pulled
     batches = data_lib.BatchIterator(iter(loader), lambda batch: pulled.append(_unpadded(loader, batch)))
     call = bind_step(host.predict_step_fn) if host.predict_step_fn is not None else None
@@ -162,19 +166,16 @@ def predict(
         watchdog.beat()
         unpadded = int(sum(pulled))  # an evaluation shard pads only its last batches: real samples first
         if outputs is not None and unpadded:
-            mine.append(outputs[:unpadded].detach().float().cpu())
+            mine.append(map_tensors(lambda t: t.detach().cpu(), take(outputs, unpadded)))
     runtime.train(was_training)
-    return _in_dataset_order(mine, runtime.dp_size, batch_size)
+    return _in_dataset_order(mine, batch_size)
 
 
-def _in_dataset_order(mine: list[torch.Tensor], dp: int, batch_size: int) -> list[Any]:
-    """Every rank's outputs interleaved back into dataset order (rank r held samples r, r+dp, ...)."""
-    shards = [torch.cat(s) if s else None for s in dev.all_gather_object(mine)]
+def _in_dataset_order(mine: list[Any], batch_size: int) -> list[Any]:
+    """Every rank's outputs interleaved back into dataset order, cut into global batches."""
+    shards = [concat(s) if s else None for s in dev.all_gather_object(mine)]
     present = [s for s in shards if s is not None]
     if not present:
         return []
-    out = present[0].new_empty((sum(len(s) for s in present), *present[0].shape[1:]))
-    for r, shard in enumerate(shards):
-        if shard is not None:
-            out[r : r + len(shard) * dp : dp] = shard
-    return list(out.split(batch_size))
+    total = sum(batch_size_of(s) for s in present)
+    return split_samples(interleave(shards, total), batch_size)

@@ -1,11 +1,15 @@
 """Consolidated fp32 weights from a checkpoint, loadable into the plain `nn.Module`.
 
-    python -m framework.export CKPT_DIR OUT     # CKPT_DIR: a checkpoints dir (newest complete
-                                                # checkpoint) or one checkpoint in it
+    python -m framework.export CKPT_DIR OUT         # CKPT_DIR: a checkpoints dir (newest complete
+                                                    # checkpoint) or one checkpoint in it
+    python -m framework.export CKPT_DIR OUT_DIR --hf   # a Hugging Face save_pretrained directory
 
 ZeRO 1-3 shards are merged with DeepSpeed's own zero_to_fp32; a ZeRO-0 checkpoint already holds
 whole weights. OUT gets safetensors (`.safetensors`) or a torch state dict (any other suffix);
-`model.load_state_dict(load_weights(OUT), strict=True)` loads it.
+`model.load_state_dict(load_weights(OUT), strict=True)` loads it. With `--hf` (the default for a
+checkpoint of a transformers model when OUT has no suffix) OUT_DIR gets `config.json` and
+safetensors weights that `AutoModelForCausalLM.from_pretrained(OUT_DIR)` loads (tied weights
+kept tied).
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from framework.checkpoint import store
+from framework.checkpoint import safety, store
+from framework.checkpoint.manager import HF_CONFIG
 from framework.errors import CheckpointError, ConfigError
 from framework.weights import load_weights, save_weights
 
@@ -35,12 +40,47 @@ def fp32_state_dict(ckpt: str | Path) -> dict[str, torch.Tensor]:
             "which maps the stages back onto the model"
         )
     if int(meta["zero_stage"]) == 0:
-        states = torch.load(path / "mp_rank_00_model_states.pt", weights_only=True, map_location="cpu")
+        states = safety.load_safely(path / "mp_rank_00_model_states.pt")
         return {k: v.float() if v.is_floating_point() else v for k, v in states["module"].items()}
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     with contextlib.redirect_stdout(io.StringIO()):  # it prints progress
         return dict(get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name))
+
+
+def save_hf_directory(ckpt: str | Path, out: str | Path) -> Path:
+    """A `save_pretrained` directory from a checkpoint of a transformers model (its config was
+    saved with it): the model class from `config.architectures`, the fp32 weights, ties kept."""
+    path = store.resolve(str(ckpt), None)
+    if path is None:
+        raise ConfigError(f"no complete checkpoint in {ckpt}")
+    if not (path / HF_CONFIG / "config.json").is_file():
+        raise ConfigError(
+            f"{path} holds no Hugging Face config ({HF_CONFIG}/): --hf exports transformers models only"
+        )
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(str(path / HF_CONFIG), local_files_only=True)
+    architecture = (config.architectures or [None])[0]
+    cls = getattr(transformers, str(architecture), None)
+    if cls is None:
+        raise ConfigError(f"{path}: transformers has no model class {architecture!r} (from its config.json)")
+    state = fp32_state_dict(path)
+    with torch.random.fork_rng(devices=[]):
+        model = cls(config)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
+    if unexpected or [k for k in missing if k not in tied]:
+        raise ConfigError(
+            f"{path}: the weights do not fit {architecture} (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
+    model.tie_weights()
+    model.save_pretrained(str(out), safe_serialization=True)
+    generation = path / HF_CONFIG / "generation_config.json"
+    if generation.is_file():
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "generation_config.json").write_text(generation.read_text())
+    return Path(out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,14 +90,23 @@ def main(argv: list[str] | None = None) -> int:
         "checkpoint", help="a checkpoints dir (its newest complete checkpoint) or one checkpoint"
     )
     parser.add_argument("out", help="output file: .safetensors, or a torch state dict for any other suffix")
+    parser.add_argument("--hf", action="store_true", help="write a Hugging Face save_pretrained directory")
     args = parser.parse_args(argv)
     try:
-        out = save_weights(fp32_state_dict(args.checkpoint), args.out)
+        if args.hf or (not Path(args.out).suffix and _has_hf_config(args.checkpoint)):
+            out = save_hf_directory(args.checkpoint, args.out)
+        else:
+            out = save_weights(fp32_state_dict(args.checkpoint), args.out)
     except (ConfigError, CheckpointError) as exc:
         print(f"Error: {exc}", file=sys.stderr)
         return 1
     print(f"wrote {out}")
     return 0
+
+
+def _has_hf_config(ckpt: str) -> bool:
+    path = store.resolve(ckpt, None)
+    return path is not None and (path / HF_CONFIG / "config.json").is_file()
 
 
 __all__ = ["fp32_state_dict", "load_weights", "main", "save_weights"]

@@ -15,6 +15,7 @@ from framework import data as data_lib
 from framework import fetches
 from framework.errors import ConfigError
 from framework.evaluation import Host, detached
+from framework.outputs import batch_size_of, take
 from framework.steps import (
     apply_train_result,
     bind_step,
@@ -51,7 +52,7 @@ class PaddingTracker:
             loader = ref()
             if loader is not None and loader.last_batch is batch and loader.last_unpadded is not None:
                 return loader.last_unpadded
-        return data_lib.batch_size_of(batch)
+        return batch_size_of(batch)
 
 
 def dataloader(
@@ -154,7 +155,7 @@ def run(
     unpadded = padding.unpadded(data)
     runtime = host.runtime
     if mode == "train" and not runtime.layout_fixed:  # prepared without a batch size
-        runtime.fix_layout(data_lib.batch_size_of(data) * runtime.dp_size)
+        runtime.fix_layout(batch_size_of(data) * runtime.dp_size)
     runtime.grad_norm_wanted = "grad_norm" in (fetch_list or ())
     try:
         assert runtime.module is not None
@@ -189,8 +190,8 @@ def run_one(host: Host, batch: Any, mode: str, unpadded: int) -> dict[str, Any]:
             logs: dict[str, Any] = {"loss": None if batch_loss is None else float(batch_loss)}
             logs.update(host.metrics.eval.compute())
         elif host.predict_step_fn is not None:  # the same step predict() uses
-            logs = {"outputs": bind_step(host.predict_step_fn)(host, iter([batch]))[:unpadded]}
+            logs = {"outputs": take(bind_step(host.predict_step_fn)(host, iter([batch])), unpadded)}
         else:
-            logs = {"outputs": default_predict_step(host, batch)[:unpadded]}
+            logs = {"outputs": take(default_predict_step(host, batch), unpadded)}
         runtime.train(was_training)
     return logs

@@ -128,7 +128,9 @@ def spawn(entrypoint: Callable[..., Any], args: tuple[Any, ...], nproc: int, tim
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         detail = (failure.error_file_data or {}).get("message", {})
-        trace = detail.get("extraInfo", {}).get("py_callstack", "") if isinstance(detail, dict) else str(detail)
+        trace = (
+            detail.get("extraInfo", {}).get("py_callstack", "") if isinstance(detail, dict) else str(detail)
+        )
         if trace and trace != "<NONE>":  # an exception: its traceback, as the worker recorded it
             raise WorkerFailed(f"{_failure_text(rank, failure.exitcode)}:\n{trace}".rstrip()) from None
         raise WorkerFailed(_failure_text(rank, failure.exitcode), printed=failure.exitcode > 0) from None

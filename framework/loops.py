@@ -20,6 +20,7 @@ from framework import device as dev
 from framework.callbacks import Callback, CallbackList, Control, Event
 from framework.errors import NonFiniteLoss
 from framework.evaluation import Host, evaluate
+from framework.outputs import batch_size_of
 from framework.runtime import param_counts
 from framework.state import LoopState
 from framework.steps import apply_train_result, bind_step, default_train_step
@@ -226,7 +227,7 @@ def train_epoch(
     def on_fetch(batch: Any) -> None:
         st.batches_in_epoch += 1
         st.batches_fetched += 1
-        st.samples_seen += data_lib.batch_size_of(batch) * runtime.dp_size
+        st.samples_seen += batch_size_of(batch) * runtime.dp_size
         st.loader_state = batches.snapshot
 
     source = data_lib.Prefetcher(iter(loader), runtime.transfer, host.prefetch, snapshot=loader.state_dict)

@@ -10,7 +10,7 @@
 A training step returns a loss tensor (the framework does backward + optimizer step), a dict
 of metrics (the step drove `engine.backward` / `engine.step` itself), or None (nothing to log).
 Steps get the `Engine` as their first argument; this module only relies on what a step may use
-of it (`model`, `loss`, `metrics`, `backward_and_step`).
+of it (`model`, `loss`, `metrics`, `label_key`, `output_key`, `backward_and_step`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from framework.data import split_batch
 from framework.errors import ConfigError
+from framework.outputs import batch_size_of, call_model, is_model_loss, logits_of, model_loss, take
 
 ITERATOR_ARG = "dataloader_iter"
 
@@ -64,44 +64,94 @@ def resolve_step(
 
 
 class LossFunction:
-    """The configured loss, computed in float32 whatever the model's compute dtype."""
+    """The configured loss, computed in float32 whatever the model's compute dtype, on what the
+    outputs hold for it (`outputs.logits_of`: a tensor, the `output_key` / `logits` field of a
+    dict or ModelOutput, a tuple's first element). A loss that fails on them is a ConfigError
+    naming what it got."""
 
-    def __init__(self, fn: Callable[..., torch.Tensor]):
-        self.fn = fn
+    def __init__(self, fn: Callable[..., torch.Tensor], output_key: str | None = None):
+        self.fn, self.output_key = fn, output_key
 
     def __call__(self, outputs: Any, labels: Any) -> torch.Tensor:
-        if isinstance(outputs, torch.Tensor) and outputs.is_floating_point():
-            outputs = outputs.float()
+        logits = logits_of(outputs, self.output_key)
+        if isinstance(logits, torch.Tensor) and logits.is_floating_point():
+            logits = logits.float()
         if isinstance(labels, torch.Tensor) and labels.is_floating_point():
             labels = labels.float()
-        return self.fn(outputs, labels)
+        try:
+            return self.fn(logits, labels)
+        except (TypeError, AttributeError, ValueError, RuntimeError, IndexError) as exc:
+            raise ConfigError(_cannot_read("the loss", self.fn, outputs, logits, labels, exc)) from None
+
+
+def _shape(value: Any) -> str:
+    return f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def _cannot_read(what: str, fn: Any, outputs: Any, logits: Any, labels: Any, exc: BaseException) -> str:
+    name = getattr(fn, "__name__", type(fn).__name__)
+    source = "" if outputs is logits else f" from a {type(outputs).__name__}"
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return (
+        f"{what} {name} failed on the model's outputs ({_shape(logits)}{source}; labels {_shape(labels)}): "
+        f"{first}. For next-token logits use loss=lm, to use the loss the model computes from labels= use "
+        "loss=model, or set trainer.output_key to the output field to read"
+    )
+
+
+def update_metrics(engine: Any, metrics: Any, outputs: Any, labels: Any) -> None:
+    """Accumulate a batch's outputs into `metrics` (what the loss reads from them)."""
+    if labels is None or not len(metrics):
+        return
+    logits = logits_of(outputs, engine.output_key)
+    try:
+        metrics.update(logits, labels)
+    except (TypeError, AttributeError, ValueError, RuntimeError, IndexError) as exc:
+        raise ConfigError(
+            _cannot_read("a metric", type(metrics.metrics[next(iter(metrics))]), outputs, logits, labels, exc)
+        ) from None
+
+
+def forward_loss(engine: Any, batch: Any) -> tuple[Any, Any, torch.Tensor | None]:
+    """(outputs, labels, loss) of one batch: the model fed as the batch says (`model(*inputs)`,
+    `model(**batch)`), the loss from the configured function or, with `loss=model`, from the
+    model itself (its labels passed as `labels=`)."""
+    own = is_model_loss(engine.loss)
+    outputs, labels = call_model(engine.model, batch, engine.label_key, own)
+    if labels is None or engine.loss is None:
+        return outputs, labels, None
+    return outputs, labels, model_loss(outputs) if own else engine.loss(outputs, labels)
 
 
 def default_train_step(engine: Any, batch: Any) -> torch.Tensor:
-    """loss(model(*inputs), labels), updating the training metrics."""
-    inputs, labels = split_batch(batch)
-    outputs = engine.model(*inputs)
-    loss = engine.loss(outputs, labels)
-    engine.metrics.train.update(outputs, labels)
+    """The loss of one batch, updating the training metrics."""
+    outputs, labels, loss = forward_loss(engine, batch)
+    if loss is None:
+        raise ConfigError(
+            "the training batches carry no labels (the last element of a tuple, or data.label_key)"
+        )
+    update_metrics(engine, engine.metrics.train, outputs, labels)
     return loss
 
 
 def default_eval_step(engine: Any, batch: Any, unpadded: int) -> tuple[Any, torch.Tensor | None]:
-    """Forward one evaluation batch; the loss (a tensor, averaged over the unpadded samples)
-    and the evaluation metrics over its first `unpadded` samples."""
-    inputs, labels = split_batch(batch)
-    outputs = engine.model(*inputs)
-    if unpadded == 0 or labels is None or engine.loss is None:
+    """Forward one evaluation batch cut to its `unpadded` samples (a rank whose batch is all
+    padding still runs the forward pass: ZeRO-3 gathers parameters collectively); the loss (a
+    tensor) and the evaluation metrics over those samples."""
+    size = batch_size_of(batch)
+    if 0 < unpadded < size:
+        batch = take(batch, unpadded)
+    outputs, labels, loss = forward_loss(engine, batch)
+    if unpadded == 0 or loss is None:
         return outputs, None
-    outputs, labels = outputs[:unpadded], labels[:unpadded]
-    engine.metrics.eval.update(outputs, labels)
-    return outputs, engine.loss(outputs, labels)
+    update_metrics(engine, engine.metrics.eval, outputs, labels)
+    return outputs, loss
 
 
 def default_predict_step(engine: Any, batch: Any) -> Any:
-    """model(*inputs)."""
-    inputs, _ = split_batch(batch)
-    return engine.model(*inputs)
+    """The model's outputs for a batch (its labels, if any, left out)."""
+    outputs, _ = call_model(engine.model, batch, engine.label_key, own_loss=False)
+    return outputs
 
 
 def apply_train_result(engine: Any, result: Any) -> Any:

@@ -73,10 +73,16 @@ def save_weights(state: dict[str, torch.Tensor], out: str | Path) -> Path:
 
 
 def save_consolidated(runtime: Any, path: str | Path) -> Path:
-    """The runtime's complete weights in fp32, written by rank 0 (`save_weights`). Collective."""
-    weights = runtime.full_state_dict()
+    """The runtime's complete weights in fp32, written by rank 0 (`save_weights`); for a Hugging
+    Face model and a path without a file suffix, a `save_pretrained` directory. Collective."""
+    weights = {k: v.float() if v.is_floating_point() else v for k, v in runtime.full_state_dict().items()}
     if dev.is_main_process():
-        save_weights({k: v.float() if v.is_floating_point() else v for k, v in weights.items()}, path)
+        module = runtime.module
+        if not Path(path).suffix and hasattr(module, "save_pretrained") and hasattr(module, "config"):
+            module.config.architectures = [type(module).__name__]
+            module.save_pretrained(str(path), state_dict=weights, safe_serialization=True)
+        else:
+            save_weights(weights, path)
     return Path(path)
 
 

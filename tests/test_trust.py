@@ -152,7 +152,9 @@ def test_after_a_nan_the_named_checkpoint_gives_a_finite_loss_and_auto_resume_sk
             assert math.isfinite(float(torch.nn.functional.cross_entropy(model(x), y)))
     chosen = store.find_resumable(tmp_path)
     assert (str(chosen) if chosen else "none") == named
-    assert all((Path(p) / store.BAD).exists() for p in map(str, store.complete_checkpoints(tmp_path)) if p > named)
+    assert all(
+        (Path(p) / store.BAD).exists() for p in map(str, store.complete_checkpoints(tmp_path)) if p > named
+    )
 
 
 # ------------------------------------------------------------------------------------- 6. one run per dir

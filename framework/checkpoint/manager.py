@@ -125,6 +125,21 @@ def _differences(path: Path, saved: dict[str, Any], now: dict[str, Any]) -> str 
     return None
 
 
+HF_CONFIG = "hf_config"  # a Hugging Face model's config.json, for `framework.export --hf`
+
+
+def save_model_config(module: Any, path: Path) -> None:
+    """A Hugging Face model's config (and generation config) next to its weights, so an export
+    can write a `save_pretrained` directory."""
+    config = getattr(module, "config", None)
+    if config is not None and hasattr(config, "save_pretrained") and hasattr(module, "save_pretrained"):
+        config.architectures = [type(module).__name__]  # what save_pretrained records, for from_pretrained
+        config.save_pretrained(str(path / HF_CONFIG))
+        generation = getattr(module, "generation_config", None)
+        if generation is not None and hasattr(generation, "save_pretrained"):
+            generation.save_pretrained(str(path / HF_CONFIG))
+
+
 def _check_finite(parts: Stateful) -> None:
     """Before a checkpoint is written: no NaN/inf loss since the last logging point, and finite
     weights on every rank, so the last checkpoint is always a good one."""
@@ -193,6 +208,7 @@ def _save(parts: Stateful, ckpt_dir: Path, keep_last_k: int | None, reason: str)
     if dev.any_rank(error is not None):  # every rank's files are written, or all give up together
         raise _failed_save(ckpt_dir, path, error, state.last_checkpoint)
     if dev.is_main_process():
+        save_model_config(runtime.module, path)
         layout = runtime.layout
         meta = {
             "step": state.global_step,

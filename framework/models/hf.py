@@ -1,0 +1,28 @@
+"""Hugging Face causal language models from a local directory or a config: no hub access.
+
+    model=hf_causal_lm model.path=DIR     # fine-tune a save_pretrained directory
+    model=hf_gpt2 / model=hf_llama        # tiny models built from a config (conf/model/)
+
+Under ZeRO-3, when the model is built partitioned (see `framework.build`), transformers' own
+ZeRO-3 path loads and initialises it (its `HfDeepSpeedConfig` is active while this runs).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def causal_lm(path: str | None = None, config: Any = None, **kwargs: Any) -> Any:
+    """`AutoModelForCausalLM` from `path` (a `save_pretrained` directory), or from `config` (a
+    `PretrainedConfig`, or a dict with `model_type` and its settings). `kwargs` go to
+    `from_pretrained` / `from_config` (e.g. `attn_implementation`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if path is not None:
+        return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs)
+    if config is None:
+        raise ValueError("hf_causal_lm needs model.path=DIR (a save_pretrained directory) or model.config")
+    if isinstance(config, dict) or hasattr(config, "items") and not hasattr(config, "to_dict"):
+        settings = dict(config)
+        config = AutoConfig.for_model(settings.pop("model_type"), **settings)
+    return AutoModelForCausalLM.from_config(config, **kwargs)
