@@ -5,7 +5,11 @@ import os
 import socket
 
 if __name__ == "__main__":
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -19,7 +23,6 @@ if __name__ == "__main__":
         os.environ.setdefault(key, value)
 
     import deepspeed
-    import torch
     from sklearn.datasets import load_digits
     from torch import nn
 
@@ -27,12 +30,13 @@ if __name__ == "__main__":
     x = torch.tensor(digits.data[:64], dtype=torch.float32) / 16
     y = torch.tensor(digits.target[:64])
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3),
         config={"train_batch_size": 64, "zero_optimization": {"stage": 0}, "steps_per_print": None},
     )
+    x, y = x.to(engine.device), y.to(engine.device)
     loss = nn.functional.cross_entropy(engine(x), y)
     engine.backward(loss)
     engine.step()

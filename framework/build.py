@@ -240,10 +240,49 @@ def _callbacks(cfg: DictConfig, out: Path, context: dict[str, Any]) -> list[Call
     return callbacks
 
 
+def build_engine(cfg: DictConfig, runtime: Runtime, callbacks: list[Callback]) -> Engine:
+    """The model (built as the strategy says) and everything the Engine is given, from `cfg`."""
+    t = cfg.trainer
+    return Engine(
+        _build_model(cfg.model, runtime),
+        loss=instantiate(cfg.loss),
+        optimizer=_checked_optimizer(cfg.optimizer),
+        metrics={name: instantiate(node) for name, node in cfg.metrics.items()},
+        scheduler=_optional(cfg.scheduler),
+        train_step=_optional(cfg.step),
+        eval_step=_optional(cfg.eval_step),
+        callbacks=callbacks,
+        seed=t.seed,
+        prefetch=cfg.data.prefetch,
+        runtime=runtime,
+        label_key=cfg.data.label_key,
+        output_key=t.output_key,
+    )
+
+
+def _fit(cfg: DictConfig, engine: Engine, splits: Any, ckpt_dir: Path) -> dict[str, list[Any]]:
+    """Preemption handling, `trainer.init_from`, the watchdog, then `Engine.fit`."""
+    t = cfg.trainer
+    preempt = t.checkpoint.enabled and threading.current_thread() is threading.main_thread()
+    if preempt:
+        preemption.install_handler()
+    resuming = t.resume and (t.resume != "auto" or checkpoint.find_resumable(ckpt_dir) is not None)
+    if t.init_from and not resuming:
+        engine.prepare("train", int(t.batch_size))
+        engine.load(str(t.init_from))  # a fresh start from these weights
+    watchdog.start(float(t.timeout_s), dev.rank())  # a stuck rank ends the job within timeout_s
+    try:
+        return engine.fit(splits.train, splits.valid, **build_fit_config(cfg, ckpt_dir, preempt).as_kwargs())
+    finally:
+        watchdog.stop()
+
+
 def train(cfg: DictConfig, output_dir: str | None, context: dict[str, Any] | None = None) -> float | None:
     """Train in this process (one rank of the job): build everything from `cfg`, fit, write files."""
     check_schema(cfg)
     t = cfg.trainer
+    dev.select_accelerator(str(t.accelerator))
+    dev.use_tf32(bool(t.tf32))
     runtime = Runtime(build_strategy(cfg))
     with dev.process_group(timeout_s=t.timeout_s):
         _with_key("trainer.batch_size", runtime.fix_layout, int(t.batch_size))
@@ -258,41 +297,13 @@ def train(cfg: DictConfig, output_dir: str | None, context: dict[str, Any] | Non
             (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         seed_everything(t.seed)
         splits = instantiate(cfg.data.dataset)
-        model = _build_model(cfg.model, runtime)
-        engine = Engine(
-            model,
-            loss=instantiate(cfg.loss),
-            optimizer=_checked_optimizer(cfg.optimizer),
-            metrics={name: instantiate(node) for name, node in cfg.metrics.items()},
-            scheduler=_optional(cfg.scheduler),
-            train_step=_optional(cfg.step),
-            eval_step=_optional(cfg.eval_step),
-            callbacks=_callbacks(cfg, out, context) if not cfg.dry_run else (),
-            seed=t.seed,
-            prefetch=cfg.data.prefetch,
-            runtime=runtime,
-            label_key=cfg.data.label_key,
-            output_key=t.output_key,
-        )
+        engine = build_engine(cfg, runtime, _callbacks(cfg, out, context) if not cfg.dry_run else [])
         if cfg.dry_run:
             if dev.is_main_process():
                 print_plan(engine)
             return None
         ckpt_dir = checkpoint_dir(cfg, out)
-        preempt = t.checkpoint.enabled and threading.current_thread() is threading.main_thread()
-        if preempt:
-            preemption.install_handler()
-        resuming = t.resume and (t.resume != "auto" or checkpoint.find_resumable(ckpt_dir) is not None)
-        if t.init_from and not resuming:
-            engine.prepare("train", int(t.batch_size))
-            engine.load(str(t.init_from))  # a fresh start from these weights
-        watchdog.start(float(t.timeout_s), dev.rank())  # a stuck rank ends the job within timeout_s
-        try:
-            history = engine.fit(
-                splits.train, splits.valid, **build_fit_config(cfg, ckpt_dir, preempt).as_kwargs()
-            )
-        finally:
-            watchdog.stop()
+        history = _fit(cfg, engine, splits, ckpt_dir)
         if dev.is_main_process() and engine.state.stop_reason.startswith("preempted"):
             print(
                 f"{engine.state.stop_reason}; resume with trainer.resume=auto trainer.checkpoint.dir={ckpt_dir}"

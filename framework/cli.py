@@ -157,6 +157,7 @@ def default_output_dir() -> str:
 def launch_job(cfg: DictConfig, output_dir: str) -> float | None:
     """Run the job here, in N local workers, or as one rank of a launcher's group."""
     join_slurm_tasks()
+    dev.select_accelerator(str(cfg.trainer.accelerator))
     devices = int(cfg.trainer.devices)
     context = sweep_context()
     if dev.launched() or devices == 1:

@@ -69,6 +69,8 @@ class TrainerConfig:
     valid_every: int = 1  # validate every N epochs
     valid_at_start: bool = False  # also validate before the first step (the starting point of the curve)
     devices: int = 1  # worker processes on this machine (ignored when launched by torchrun/deepspeed/srun)
+    accelerator: str = "auto"  # auto (CUDA when torch sees a GPU, unless DS_ACCELERATOR=cpu) | cpu | cuda
+    tf32: bool = True  # TF32 matmuls / convolutions on Ampere and newer GPUs (fp32 runs)
     seed: int = 0
     log_every: int = 10  # optimizer steps between logged lines / metrics.jsonl records
     monitor: str = "val_loss"  # the value train.py returns (what sweepers optimise)

@@ -128,8 +128,10 @@ class _Failure:
 class Prefetcher:
     """Pull batches from `source` in a background thread, `depth` ahead, moved with `transfer`.
 
-    Yields (batch, snapshot) pairs: `snapshot()` is taken right after that batch was pulled, so
-    the consumer knows the loader position that matches what it has really consumed.
+    `transfer` is a function, or a `framework.transfer.Copier`: then the background thread only
+    starts each copy (`copy`) and the consumer waits for it (`ready`), so on CUDA copies overlap
+    compute. Yields (batch, snapshot) pairs: `snapshot()` is taken right after that batch was
+    pulled, so the consumer knows the loader position that matches what it has really consumed.
     """
 
     def __init__(
@@ -139,7 +141,9 @@ class Prefetcher:
         depth: int = 2,
         snapshot: Callable[[], Any] | None = None,
     ):
-        self._source, self._transfer, self._snapshot = source, transfer, snapshot
+        self._source, self._snapshot = source, snapshot
+        self._transfer = getattr(transfer, "copy", transfer)
+        self._ready = getattr(transfer, "ready", None)
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -177,14 +181,16 @@ class Prefetcher:
 
     def __next__(self) -> tuple[Any, Any]:
         if self._thread is None:  # depth 0: synchronous
-            return self._pull()
-        item = self._queue.get()
-        if item is _END:
-            self._queue.put(_END)  # later next() calls keep raising StopIteration
-            raise StopIteration
-        if isinstance(item, _Failure):
-            raise item.exc
-        return item
+            item = self._pull()
+        else:
+            item = self._queue.get()
+            if item is _END:
+                self._queue.put(_END)  # later next() calls keep raising StopIteration
+                raise StopIteration
+            if isinstance(item, _Failure):
+                raise item.exc
+        batch, snapshot = item
+        return (self._ready(batch) if self._ready is not None else batch), snapshot
 
     def close(self) -> None:
         """Stop the background thread (batches already pulled are dropped)."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import datetime
 import io
 import logging
@@ -17,11 +16,13 @@ import os
 import socket
 import sys
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from framework.allocator import tune_host_allocator
 
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 # Environment variables this process set itself for a launcher-less single process; removed on teardown.
@@ -29,53 +30,70 @@ _owned_env: list[str] = []
 _we_initialized = False
 
 
+_accelerator: str | None = None  # "cuda" or "cpu", once decided
+
+
+def _gpu_present() -> bool:
+    return os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/nvidia0")
+
+
+def select_accelerator(choice: str = "auto") -> str:
+    """Decide where this process computes, once, and tell DeepSpeed the same (DS_ACCELERATOR).
+
+    auto: CUDA when torch sees a GPU, unless DS_ACCELERATOR=cpu says otherwise (a GPU this torch
+    cannot use is said in one line); cpu: the CPU even on a GPU machine; cuda: CUDA, or a
+    ConfigError when torch sees none. Call it before DeepSpeed is first used."""
+    global _accelerator
+    from framework.errors import ConfigError
+
+    if choice not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"trainer.accelerator={choice}: use auto, cpu or cuda")
+    if choice == "cuda" and not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        raise ConfigError(
+            f"trainer.accelerator=cuda, but torch {torch.__version__} ({build}) sees no CUDA device; "
+            "install a CUDA build of torch, check CUDA_VISIBLE_DEVICES, or use trainer.accelerator=cpu"
+        )
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR") != "cpu" else "cpu"
+        if choice == "cpu" and not torch.cuda.is_available() and _gpu_present() and _accelerator is None:
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(
+                    f"accelerator: this machine has a GPU but torch {torch.__version__} cannot use it; training "
+                    "on the CPU (install a CUDA build of torch, or set trainer.accelerator=cpu to silence this)",
+                    file=sys.stderr,
+                )
+    if _accelerator is not None and choice != _accelerator and "deepspeed" in sys.modules:
+        raise ConfigError(f"trainer.accelerator={choice} comes after DeepSpeed started on {_accelerator}")
+    _accelerator = choice
+    os.environ["DS_ACCELERATOR"] = choice
+    return choice
+
+
 def cuda_available() -> bool:
-    """True when this process should train on CUDA devices."""
-    return torch.cuda.is_available()
+    """True when this process trains on CUDA devices (see `select_accelerator`)."""
+    return (_accelerator or select_accelerator()) == "cuda"
 
 
 def configure_environment() -> None:
-    """Set the environment DeepSpeed reads at import/first use: CPU accelerator when no CUDA.
-
-    Must run before `deepspeed.accelerator.get_accelerator()` is first called; importing
-    `framework` calls it.
-    """
-    if not cuda_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    """Set the environment DeepSpeed reads at import/first use. Importing `framework` calls it."""
     # Torch extensions (shm comm op) are never needed for gloo training; see init_process_group.
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-# glibc allocator settings for CPU runs (see `tune_host_allocator`).
-HOST_MMAP_THRESHOLD = 16 << 20  # buffers this large get their own mapping, unmapped when freed
-HOST_TRIM_THRESHOLD = 32 << 20  # free memory kept at the top of the heap for the next step
+_tf32_set = False
 
 
-def tune_host_allocator() -> bool:
-    """On a CPU run, fix glibc's allocator thresholds instead of letting them drift.
-
-    By default glibc starts at a 128 KiB mmap threshold and raises it after each large free,
-    trimming the heap whenever 2x that is free at its top. A training step frees and re-makes
-    the same buffers every step (gradients, optimizer temporaries), so with those defaults many
-    of them are unmapped and page-faulted in again each step, while ZeRO's 15-32 MiB buckets and
-    gloo's copies of them end up in the heap and stay resident. Fixed thresholds keep buffers
-    below 16 MiB in the heap for reuse and give larger ones back when freed: measured in
-    benchmarks/ (same process, same model), a 1.3 M-parameter MLP step ran ~30% faster and
-    ZeRO-3's peak on 2 ranks for a 30 M MLP was ~5% lower. Any MALLOC_*_ variable the user set
-    wins (glibc then uses theirs). Returns True when the settings were applied.
-    """
-    if cuda_available() or not sys.platform.startswith("linux"):
-        return False
-    if any(key.startswith("MALLOC_") and key.endswith("_") for key in os.environ):
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        return bool(libc.mallopt(m_mmap_threshold, HOST_MMAP_THRESHOLD)) and bool(
-            libc.mallopt(m_trim_threshold, HOST_TRIM_THRESHOLD)
-        )
-    except (OSError, AttributeError):  # not glibc
-        return False
+def use_tf32(enabled: bool = True) -> None:
+    """TF32 matmuls and cuDNN convolutions on Ampere and newer GPUs (fp32 training at tensor-core
+    speed, ~10 bits of mantissa in products); nothing on other devices."""
+    global _tf32_set
+    _tf32_set = True
+    if cuda_available() and torch.cuda.get_device_capability(device())[0] >= 8:
+        torch.backends.cuda.matmul.allow_tf32 = enabled
+        torch.backends.cudnn.allow_tf32 = enabled
 
 
 def backend() -> str:
@@ -122,10 +140,16 @@ def is_main_process() -> bool:
 
 
 def device() -> torch.device:
-    """The device this rank computes on."""
+    """The device this rank computes on: GPU LOCAL_RANK modulo the GPUs this process sees (one
+    GPU per Slurm task sees only its own), the same index DeepSpeed is given (`device_index`)."""
     if cuda_available():
         return torch.device("cuda", local_rank() % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+def device_index() -> int:
+    """This rank's device index, as handed to DeepSpeed (`args.device_rank`)."""
+    return device().index or 0
 
 
 def collective_device() -> torch.device:
@@ -189,7 +213,9 @@ def init_process_group(timeout_s: float = 300.0) -> None:
                 _owned_env.append(key)
     if cuda_available():
         torch.cuda.set_device(device())
-    tune_host_allocator()
+        if not _tf32_set:
+            use_tf32(True)
+    tune_host_allocator(cuda_available())
     import deepspeed
     import deepspeed.ops
 
@@ -214,6 +240,8 @@ def init_process_group(timeout_s: float = 300.0) -> None:
             timeout=datetime.timedelta(seconds=timeout_s),
         )
     _we_initialized = True
+    if world_size() > 1:
+        _slow()  # every rank makes it now, together (creating a group is collective)
     _tear_down_at_exit()
 
 
@@ -249,6 +277,8 @@ def destroy_process_group(sync: bool = True, timeout_s: float = 30.0) -> None:
     waiting for them would only delay the exit.
     """
     global _we_initialized
+    global _slow_group
+    _slow_group = None
     if _we_initialized and dist.is_initialized():
         if sync and dist.get_backend() == "gloo" and dist.get_world_size() > 1:
             with contextlib.suppress(RuntimeError):  # a rank that never came: tear down anyway
@@ -277,33 +307,33 @@ def _forget_deepspeed_groups() -> None:
                 setattr(groups, name, None)
 
 
-def to_device(batch: Any, dev: torch.device, float_dtype: torch.dtype | None = None) -> Any:
-    """Move a batch (tensor / tuple / list / dict, nested) to `dev`; cast floating tensors if asked."""
-    if isinstance(batch, torch.Tensor):
-        if float_dtype is not None and batch.is_floating_point():
-            return batch.to(dev, dtype=float_dtype, non_blocking=True)
-        return batch.to(dev, non_blocking=True)
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(to_device(b, dev, float_dtype) for b in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(b, dev, float_dtype) for b in batch)
-    if isinstance(batch, Mapping):  # dicts, Hugging Face's BatchEncoding
-        return {k: to_device(v, dev, float_dtype) for k, v in batch.items()}
-    return batch
+# Waits on long work of one rank (rank 0 hashing, fsyncing, converting a large checkpoint) go
+# through a gloo group without a practical timeout: under nccl the default group's watchdog would
+# end the job while the other ranks wait, though nothing is stuck (the watchdog module covers that).
+SLOW_WAIT = datetime.timedelta(hours=12)
+_slow_group: Any = None
 
 
-def barrier() -> None:
-    """Wait until every rank is here (nothing without a group of more than one)."""
+def _slow() -> Any:
+    global _slow_group
+    if _slow_group is None:
+        _slow_group = dist.new_group(backend="gloo", timeout=SLOW_WAIT)
+    return _slow_group
+
+
+def barrier(slow: bool = False) -> None:
+    """Wait until every rank is here (nothing without a group of more than one). `slow`: a wait
+    on one rank's long work (see SLOW_WAIT)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+        dist.barrier(group=_slow() if slow else None)
 
 
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """Rank `src`'s `obj` on every rank (identity without a group)."""
+def broadcast_object(obj: Any, src: int = 0, slow: bool = False) -> Any:
+    """Rank `src`'s `obj` on every rank (identity without a group); `slow` as for `barrier`."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=_slow() if slow else None)
     return box[0]
 
 

@@ -22,6 +22,7 @@ from framework import device as dev
 from framework.engine import Engine
 from framework.errors import ConfigError
 from framework.strategy import Strategy
+from framework.transfer import Copier
 
 
 class DistModel:
@@ -179,7 +180,7 @@ def shard_dataloader(
         loader.collate_fn,
         loader.num_workers,
     )
-    transfer = engine.transfer if engine is not None else (lambda b: dev.to_device(b, dev.device()))
+    transfer = engine.transfer if engine is not None else Copier(dev.device())
     return data_lib.DeviceLoader(sharded, transfer, epochs, None, prefetch, loader.batch_size)
 
 

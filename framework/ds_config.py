@@ -77,7 +77,9 @@ def _precision(strategy: Strategy) -> dict[str, Any]:
     return {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}}
 
 
-def _zero_section(strategy: Strategy, num_params: int, largest_param: int) -> dict[str, Any]:
+def _zero_section(
+    strategy: Strategy, num_params: int, largest_param: int, pin_memory: bool
+) -> dict[str, Any]:
     s = strategy.sharding
     zero: dict[str, Any] = {"stage": s.stage}
     if s.stage == 0:
@@ -93,9 +95,9 @@ def _zero_section(strategy: Strategy, num_params: int, largest_param: int) -> di
         zero["sub_group_size"] = chosen["sub_group_size"]
         zero["stage3_gather_16bit_weights_on_model_save"] = False
     if s.offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin_memory}
     if s.offload_params:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": False}
+        zero["offload_param"] = {"device": "cpu", "pin_memory": pin_memory}
     return zero
 
 
@@ -105,17 +107,19 @@ def deepspeed_config(
     num_params: int = 0,
     largest_param: int = 0,
     load_universal: bool = False,
+    pin_memory: bool = False,
 ) -> dict[str, Any]:
     """The DeepSpeed config dict for `strategy` with this batch layout.
 
     `num_params`/`largest_param` size the "auto" ZeRO settings; `load_universal` reads a
-    checkpoint converted for another world size.
+    checkpoint converted for another world size; `pin_memory` page-locks offloaded states (on a
+    GPU machine: faster copies to and from the device).
     """
     config: dict[str, Any] = {
         **_batch_keys(layout),
         "steps_per_print": None,
         "wall_clock_breakdown": False,
-        "zero_optimization": _zero_section(strategy, num_params, largest_param),
+        "zero_optimization": _zero_section(strategy, num_params, largest_param, pin_memory),
         # We hand DeepSpeed torch optimizers (SGD, AdamW, ...) and keep them under offload too,
         # which avoids the JIT build of DeepSpeedCPUAdam on a first run.
         "zero_allow_untested_optimizer": True,
@@ -143,13 +147,13 @@ def deepspeed_config(
     return _deep_merge(config, extra)
 
 
-def zero_init_config(strategy: Strategy, layout: BatchLayout) -> dict[str, Any]:
+def zero_init_config(strategy: Strategy, layout: BatchLayout, pin_memory: bool = False) -> dict[str, Any]:
     """What `deepspeed.zero.Init` reads: the batch triple (it validates one), the ZeRO stage and
     parameter offload, and the dtype (passing a dtype as well makes DeepSpeed 0.19 pick bf16 on
     any accelerator without fp16)."""
     zero: dict[str, Any] = {"stage": strategy.sharding.stage}
     if strategy.sharding.offload_params:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": False}
+        zero["offload_param"] = {"device": "cpu", "pin_memory": pin_memory}
     return {**_batch_keys(layout), "zero_optimization": zero, **_precision(strategy)}
 
 

@@ -122,7 +122,7 @@ def _evaluate_pipeline(
     calls = len(loader) // layout.accumulation_steps
     calls = calls if steps is None else min(calls, steps)
     was_training = runtime.training
-    source = data_lib.Prefetcher(iter(loader), runtime.transfer, depth=host.prefetch)
+    source = data_lib.Prefetcher(iter(loader), runtime.copier, depth=host.prefetch)
     try:
         batches = data_lib.BatchIterator(source)
         losses = [runtime.eval_batch(batches) for _ in range(calls)]

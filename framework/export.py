@@ -41,7 +41,8 @@ def fp32_state_dict(ckpt: str | Path) -> dict[str, torch.Tensor]:
         )
     if int(meta["zero_stage"]) == 0:
         states = safety.load_safely(path / "mp_rank_00_model_states.pt")
-        return {k: v.float() if v.is_floating_point() else v for k, v in states["module"].items()}
+        weights = {k: v.float() if v.is_floating_point() else v for k, v in states["module"].items()}
+        return _with_fp32_masters(weights, states)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     with contextlib.redirect_stdout(io.StringIO()):  # it prints progress
@@ -81,6 +82,28 @@ def save_hf_directory(ckpt: str | Path, out: str | Path) -> Path:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "generation_config.json").write_text(generation.read_text())
     return Path(out)
+
+
+def _with_fp32_masters(weights: dict[str, torch.Tensor], states: dict) -> dict[str, torch.Tensor]:
+    """At ZeRO-0 under mixed precision the module's weights are bf16/fp16 and the optimizer's
+    fp32 masters sit beside them, in parameter order (the module's keys without its buffers and
+    without the second names of tied weights): export those when every shape matches."""
+    optimizer = states.get("optimizer")
+    groups = optimizer.get("fp32_groups") if isinstance(optimizer, dict) else None
+    if not groups:
+        return weights
+    buffers = set(states.get("buffer_names") or [])
+    aliases = set(states.get("shared_params") or {})
+    names = [k for k in weights if k not in buffers and k not in aliases]
+    masters = [m for group in groups for m in group]
+    if len(names) == len(masters) and all(
+        tuple(weights[n].shape) == tuple(m.shape) for n, m in zip(names, masters)
+    ):
+        weights.update({n: m.float() for n, m in zip(names, masters)})
+        for alias, source in (states.get("shared_params") or {}).items():  # tied weights
+            if source in weights:
+                weights[alias] = weights[source]
+    return weights
 
 
 def main(argv: list[str] | None = None) -> int:

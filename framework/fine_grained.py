@@ -98,7 +98,7 @@ def dataloader(
         unpadded = loader.sampler.unpadded
     return data_lib.DeviceLoader(
         loader,
-        runtime.transfer,
+        runtime.copier,
         epochs,
         steps_per_epoch,
         host.prefetch,
@@ -129,7 +129,7 @@ def generator_loader(
     source = data_lib.GeneratorDataset(generator, runtime.dp_size, runtime.dp_rank)
     loader = torch.utils.data.DataLoader(source, batch_size=per_rank, drop_last=True, collate_fn=collate_fn)
     host.prepare(mode, batch_size if mode == "train" else None)
-    return data_lib.DeviceLoader(loader, runtime.transfer, epochs, steps_per_epoch, host.prefetch, batch_size)
+    return data_lib.DeviceLoader(loader, runtime.copier, epochs, steps_per_epoch, host.prefetch, batch_size)
 
 
 def run(

@@ -230,7 +230,7 @@ def train_epoch(
         st.samples_seen += batch_size_of(batch) * runtime.dp_size
         st.loader_state = batches.snapshot
 
-    source = data_lib.Prefetcher(iter(loader), runtime.transfer, host.prefetch, snapshot=loader.state_dict)
+    source = data_lib.Prefetcher(iter(loader), runtime.copier, host.prefetch, snapshot=loader.state_dict)
     batches = data_lib.BatchIterator(source, on_fetch, limit=batches_per_epoch - st.batches_in_epoch)
     step = _train_step_caller(host, batches)
     # A middle pipeline stage pulls no data, so every rank counts train_batch calls instead.

@@ -14,6 +14,7 @@ the data-parallel ranks.
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,28 +27,15 @@ from framework import recompute as recompute_lib
 from framework import watchdog, weights
 from framework.ds_config import deepspeed_config, zero_init_config
 from framework.errors import ConfigError
+from framework.placement import for_this_machine, offload_optimizer
 from framework.strategy import BatchLayout, Strategy, batch_layout, compute_dtype_name
+from framework.transfer import Copier
 
 
 def param_counts(module: nn.Module) -> tuple[int, int]:
     """(total parameters, largest single parameter) — ZeRO-3-partitioned parameters counted whole."""
     sizes = [int(getattr(p, "ds_numel", p.numel())) for p in module.parameters()]
     return sum(sizes), max(sizes, default=0)
-
-
-def for_this_machine(strategy: Strategy) -> Strategy:
-    """`strategy` as it will run here: without an accelerator, offload is dropped (see
-    `Strategy.for_host_only`) and rank 0 says so in one line."""
-    if dev.cuda_available():
-        return strategy
-    host = strategy.for_host_only()
-    if host is not strategy and dev.is_main_process():
-        print(
-            "strategy: no accelerator, so offload has nowhere to move states to; "
-            f"running {host.describe()} (states stay in host memory)",
-            flush=True,
-        )
-    return host
 
 
 def check_layout(strategy: Strategy, global_batch_size: int, world_size: int) -> BatchLayout:
@@ -69,6 +57,7 @@ class Runtime:
         self.compute_dtype: torch.dtype = getattr(torch, compute_dtype_name(self.strategy))
         self.grad_norm_wanted = False  # ZeRO-0: compute the norm at the next step (costs a few %)
         self._last_grad_norm: torch.Tensor | None = None
+        self._copier: Copier | None = None
 
     # ------------------------------------------------------------------ topology
     def start(self) -> None:
@@ -145,7 +134,9 @@ class Runtime:
 
         self.start()
         return deepspeed.zero.Init(
-            config_dict_or_path=zero_init_config(self.strategy, self._layout_for_build())
+            config_dict_or_path=zero_init_config(
+                self.strategy, self._layout_for_build(), dev.cuda_available()
+            )
         )
 
     @property
@@ -167,9 +158,11 @@ class Runtime:
         dev.quiet_deepspeed()
         self.module = module
         numel, largest = param_counts(module)
+        pin = dev.cuda_available()
         self.config = deepspeed_config(
-            self.strategy, self._layout_for_build(), numel, largest, self.load_universal
+            self.strategy, self._layout_for_build(), numel, largest, self.load_universal, pin
         )
+        optimizer = offload_optimizer(self.strategy, optimizer)
         if self.strategy.recompute.enable and not self.strategy.uses_pipeline:
             recompute_lib.enable(module)
         if self.strategy.compile:
@@ -189,6 +182,7 @@ class Runtime:
             )
         with watchdog.suspended():  # a first run may JIT-build DeepSpeed's ops
             self.deepspeed_engine, _, _, _ = deepspeed.initialize(
+                args=types.SimpleNamespace(device_rank=dev.device_index()),  # the device we chose
                 model=model,
                 optimizer=optimizer,
                 model_parameters=trainable if optimizer is None or callable(optimizer) else None,
@@ -205,10 +199,18 @@ class Runtime:
                 lambda _m, args, kwargs: self.transfer((args, kwargs)), with_kwargs=True
             )
 
+    @property
+    def copier(self) -> Copier:
+        """Moves batches to this rank's device (floating tensors in the compute dtype); on CUDA
+        from pinned memory on a side stream (see `framework.transfer`)."""
+        if self._copier is None:
+            cast = self.compute_dtype if self.compute_dtype != torch.float32 else None
+            self._copier = Copier(dev.device(), cast)
+        return self._copier
+
     def transfer(self, batch: Any) -> Any:
-        """Move a batch to this rank's device (floating tensors in the compute dtype)."""
-        cast = self.compute_dtype if self.compute_dtype != torch.float32 else None
-        return dev.to_device(batch, dev.device(), cast)
+        """Move a batch to this rank's device now (floating tensors in the compute dtype)."""
+        return self.copier(batch)
 
     # ------------------------------------------------------------------ running
     @property
@@ -370,7 +372,18 @@ class Runtime:
         `on_every_rank`). Collective. See `framework.weights.consolidate`."""
         assert self.module is not None
         pipe = self.deepspeed_engine.module if self.strategy.uses_pipeline and self.ready else None
-        return weights.consolidate(self.module, self._is_zero3(), pipe, on_every_rank)
+        master = self.optimizer is not None and not self.strategy.uses_pipeline
+        return weights.consolidate(
+            self.module, self._is_zero3(), pipe, on_every_rank, master, self._fp32_masters()
+        )
+
+    def _fp32_masters(self) -> dict[int, torch.Tensor]:
+        """{id(param): its fp32 master} from DeepSpeed's mixed-precision optimizer at ZeRO-0 (its
+        `fp16_groups` / `fp32_groups`, kept side by side; empty for other optimizers)."""
+        low, high = getattr(self.optimizer, "fp16_groups", None), getattr(self.optimizer, "fp32_groups", None)
+        if not low or not high:
+            return {}
+        return {id(p): m for lows, highs in zip(low, high) for p, m in zip(lows, highs) if p.shape == m.shape}
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load complete weights into the module (every rank passes the same dict; under ZeRO-3

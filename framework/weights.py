@@ -18,11 +18,20 @@ from framework import pipeline as pipeline_lib
 
 
 def consolidate(
-    module: nn.Module, zero3: bool, pipe: nn.Module | None = None, on_every_rank: bool = False
+    module: nn.Module,
+    zero3: bool,
+    pipe: nn.Module | None = None,
+    on_every_rank: bool = False,
+    master: bool = False,
+    masters: dict[int, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """`module`'s state dict as CPU tensors, on rank 0 ({} elsewhere unless `on_every_rank`).
-    Collective. `pipe`: the pipeline module whose stages hold the weights."""
+    Collective. `pipe`: the pipeline module whose stages hold the weights. `master`: take each
+    parameter from the optimizer's fp32 master copy where DeepSpeed keeps one (mixed precision,
+    ZeRO >= 1), so an export under bf16 is not rounded to bf16; `masters` ({id(param): fp32
+    tensor}) gives them where DeepSpeed offers no accessor (ZeRO-0 under mixed precision)."""
     import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
 
     keep = on_every_rank or dev.is_main_process()
     if pipe is not None:
@@ -35,11 +44,15 @@ def consolidate(
     out: dict[str, torch.Tensor] = {}
     for sub in module.modules():
         own = [p for p in sub.parameters(recurse=False) if id(p) in keys_of]
-        with deepspeed.zero.GatheredParameters(own, modifier_rank=None, enabled=zero3 and bool(own)):
-            for p in own:
+        fp32 = [safe_get_full_fp32_param(p) if master else None for p in own]  # collective under ZeRO-3
+        fp32 = [m if m is not None else (masters or {}).get(id(p)) for p, m in zip(own, fp32)]
+        gather = [p for p, m in zip(own, fp32) if m is None]
+        with deepspeed.zero.GatheredParameters(gather, modifier_rank=None, enabled=zero3 and bool(gather)):
+            for p, m in zip(own, fp32):
                 keys = keys_of.pop(id(p))
                 if keep:
-                    out.update({key: p.detach().cpu().clone() for key in keys})
+                    value = (m if m is not None else p).detach()
+                    out.update({key: value.cpu().clone() for key in keys})
     if not keep:
         return {}
     for remaining in keys_of.values():  # buffers (never partitioned)

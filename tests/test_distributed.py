@@ -25,6 +25,10 @@ def test_zero3_two_ranks_each_hold_half_the_parameters(tmp_path):
         assert rec["status"] == ["ZeroParamStatus.NOT_AVAILABLE"]  # partitioned, not gathered
         assert full / 2 <= rec["local"] <= full / 2 + 8  # half each, up to per-tensor padding
     assert sum(r["local"] for r in records) >= full
+    # consolidated weights are gathered module by module and kept on rank 0 only
+    assert (
+        records[0]["consolidated_keys"] == records[0]["state_keys"] and records[1]["consolidated_keys"] == 0
+    )
 
 
 @pytest.mark.slow

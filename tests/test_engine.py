@@ -114,8 +114,8 @@ def test_bf16_strategy_trains_in_bf16():
 
 _RSS_AFTER_FREES = """
 import sys, psutil, torch
-from framework import device
-applied = device.tune_host_allocator() if sys.argv[1] == "fix" else False
+from framework import allocator, device
+applied = allocator.tune_host_allocator() if sys.argv[1] == "fix" else False
 process = psutil.Process()
 before = process.memory_info().rss
 for _ in range(3):  # a 24 MiB buffer freed and made again, like a gathered layer each step
@@ -144,8 +144,10 @@ def test_freed_large_buffers_go_back_to_the_os_on_cpu():
 
 
 def test_allocator_setting_respects_the_users_malloc_variables(monkeypatch):
+    from framework import allocator
+
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-    assert device.tune_host_allocator() is False
+    assert allocator.tune_host_allocator() is False
 
 
 def _gpt_steps(

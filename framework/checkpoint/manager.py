@@ -225,7 +225,7 @@ def _save(parts: Stateful, ckpt_dir: Path, keep_last_k: int | None, reason: str)
         store.mark_complete(path, meta)
         if keep_last_k:
             store.prune(ckpt_dir, keep_last_k)
-    dev.barrier()
+    dev.barrier(slow=True)  # rank 0 flushed, hashed and pruned: possibly long
     return path
 
 

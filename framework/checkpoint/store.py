@@ -145,7 +145,7 @@ def find_resumable(ckpt_dir: str | Path) -> Path | None:
     answer); newer partial or damaged ones are skipped, each named once with why."""
     ckpt_dir = Path(ckpt_dir)
     found = _newest_intact(ckpt_dir) if dev.is_main_process() and ckpt_dir.is_dir() else None
-    found = dev.broadcast_object(str(found) if found else None)
+    found = dev.broadcast_object(str(found) if found else None, slow=True)
     return Path(found) if found else None
 
 
@@ -184,7 +184,7 @@ def check(path: Path) -> dict[str, Any]:
             verify(path)
         except CheckpointError as exc:
             problem = str(exc)
-    problem = dev.broadcast_object(problem)
+    problem = dev.broadcast_object(problem, slow=True)
     if problem:
         raise CheckpointError(problem)
     return read_meta(path)
@@ -297,5 +297,5 @@ def to_universal(path: Path) -> Path:
         for file in path.glob(RANK_FILE.format(rank=0).replace("00000", "*")):
             shutil.copy(file, out / file.name)
         atomic_write(out / COMPLETE, json.dumps(dict(meta, files=safety.digests(out))))
-    dev.barrier()
+    dev.barrier(slow=True)
     return out

@@ -31,6 +31,8 @@ record = {
     "full": sum(p.ds_numel for p in params),
     "local": sum(p.ds_tensor.numel() for p in params),
     "status": sorted({str(p.ds_status) for p in params}),
+    "consolidated_keys": len(engine.runtime.full_state_dict()),  # rank 0 only (collective)
+    "state_keys": len(engine.module.state_dict()),
 }
 (out_dir / f"rank{device.rank()}.json").write_text(json.dumps(record))
 device.destroy_process_group()

@@ -1,0 +1,412 @@
+"""One prepared check of the CUDA path: about 5 minutes on one GPU, no network.
+
+    python -m benchmarks.gpu_check            # on a machine with a GPU
+    python -m benchmarks.gpu_check --smoke    # the same script on the CPU (the test suite runs it)
+
+Each check prints one line and lands in `gpu_check.json` (under $OUT when set, else
+benchmarks/results/, or --out-dir); the exit status is non-zero when any check fails. Checks that
+need a GPU (nccl, fp16, sync debugging, copy/compute overlap) are marked skipped on the CPU.
+
+1. placement: backend, DeepSpeed's accelerator, model / batch / metric state on the device
+2. ZeRO 0-3 (and ZeRO-3 + offload on a GPU): finite, falling losses; ZeRO-0/1/2 equal, ZeRO-3 within 1e-4
+3. bf16 and fp16 at ZeRO 0/2/3: finite, falling losses
+4. an injected fp16 overflow skips exactly one step, with and without accumulation; step and LR agree
+5. checkpoint, resume and export on the device; a rank file saved there loads in a CPU-only process
+6. no host sync per training step outside logging steps (torch.cuda.set_sync_debug_mode)
+7. host-to-device copies overlap compute (profiler), and prefetch 2 is no slower than prefetch 0
+8. device memory per ZeRO stage for a ~25 M GPT next to Engine.cost()
+9. train.py end to end on the device; trainer.accelerator=cpu on the same machine trains on the CPU
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import RESULTS, machine, parse_args, quiet
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _engine(
+    stage: int = 0, amp: str | None = None, k_steps: int = 1, offload: bool = False, **kwargs: Any
+) -> Any:
+    from framework import Engine, Strategy
+    from framework.models import MLP
+
+    torch.manual_seed(0)
+    strategy = Strategy(
+        sharding={"stage": stage, "offload_optimizer": offload, "offload_params": offload and stage == 3},
+        amp={"enable": amp is not None, "dtype": amp or "bf16"},
+        gradient_merge={"k_steps": k_steps},
+    )
+    return Engine(
+        MLP(),
+        torch.nn.CrossEntropyLoss(),
+        functools.partial(torch.optim.AdamW, lr=3e-3),
+        strategy=strategy,
+        **kwargs,
+    )
+
+
+def _fit_losses(engine: Any, steps: int, **kwargs: Any) -> list[float]:
+    from framework.datasets import digits
+
+    train, _ = digits()
+    history: list[float] = []
+
+    class Record:
+        def on_event(self, event: Any, state: Any, control: Any = None) -> None:
+            if event.value == "step_end" and "loss" in state.logs:
+                history.append(float(state.logs["loss"]))
+
+    engine.fit(train, epochs=100, batch_size=64, max_steps=steps, log_freq=1, callbacks=[Record()], **kwargs)
+    return history
+
+
+def _falling(losses: list[float]) -> bool:
+    return all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+
+
+def _teardown() -> None:
+    from framework import device
+
+    device.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------ checks
+
+
+def check_placement(cuda: bool, steps: int) -> dict[str, Any]:
+    """Backend, DeepSpeed's accelerator and where the model, a batch and the metrics live."""
+    import torchmetrics
+    from deepspeed.accelerator import get_accelerator
+
+    from framework import device
+    from framework.datasets import digits
+
+    engine = _engine(metrics=torchmetrics.classification.MulticlassAccuracy(num_classes=10))
+    loader = engine.dataloader(digits()[0], batch_size=64, mode="train")
+    batch = next(iter(loader))
+    engine.run(batch, mode="train")
+    want = "cuda" if cuda else "cpu"
+    found = {
+        "backend": device.backend(),
+        "accelerator": get_accelerator().device_name(),
+        "model": str(next(engine.module.parameters()).device),
+        "batch": str(batch[0].device),
+        "metric": str(next(iter(engine.metrics.train.metrics.values())).tp.device),
+    }
+    _teardown()
+    ok = found["backend"] == ("nccl" if cuda else "gloo") and all(
+        v.startswith(want) for k, v in found.items() if k != "backend"
+    )
+    return {"ok": ok, "detail": found}
+
+
+def check_zero_stages(cuda: bool, steps: int) -> dict[str, Any]:
+    """ZeRO 0-3 (+ offload on a GPU) train; 0/1/2 agree exactly, 3 within 1e-4."""
+    runs = {}
+    for stage in (0, 1, 2, 3):
+        runs[f"zero{stage}"] = _fit_losses(_engine(stage), steps)
+        _teardown()
+    if cuda:
+        runs["zero3_offload"] = _fit_losses(_engine(3, offload=True), steps)
+        _teardown()
+    base = runs["zero0"]
+    close = {
+        name: max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, base))
+        for name, losses in runs.items()
+    }
+    ok = (
+        all(_falling(v) for v in runs.values())
+        and all(close[f"zero{s}"] <= 1e-6 for s in (1, 2))
+        and close["zero3"] <= 1e-4
+    )
+    return {
+        "ok": ok,
+        "detail": {"max_rel_diff_vs_zero0": close, "first_last": {k: (v[0], v[-1]) for k, v in runs.items()}},
+    }
+
+
+def check_mixed_precision(cuda: bool, steps: int) -> dict[str, Any]:
+    """bf16 (and fp16 on a GPU) at ZeRO 0/2/3: finite, falling losses."""
+    dtypes = ["bf16", "fp16"] if cuda else ["bf16"]
+    runs = {}
+    for dtype in dtypes:
+        for stage in (0, 2, 3):
+            runs[f"{dtype}_zero{stage}"] = _fit_losses(_engine(stage, amp=dtype), steps)
+            _teardown()
+    return {
+        "ok": all(_falling(v) for v in runs.values()),
+        "detail": {k: (v[0], v[-1]) for k, v in runs.items()},
+    }
+
+
+def check_fp16_overflow(cuda: bool, steps: int) -> dict[str, Any]:
+    """An infinite loss on one micro-batch: exactly one skipped step, with and without
+    accumulation, and the step count, the LR schedule and max_steps agree."""
+    if not cuda:
+        return {"ok": True, "skipped": True, "detail": "fp16 needs a GPU"}
+    detail = {}
+    ok = True
+    for k_steps in (1, 2):
+        calls = [0]
+
+        def step(engine: Any, batch: Any, k: int = k_steps, calls: list[int] = calls) -> torch.Tensor:
+            calls[0] += 1
+            x, y = batch
+            loss = engine.loss(engine.model(x), y)
+            return loss * float("inf") if calls[0] == 3 * k else loss
+
+        engine = _engine(0, amp="fp16", k_steps=k_steps, train_step=step, scheduler=_linear_decay)
+        losses = _fit_losses(engine, 8)
+        state, runtime = engine.state, engine.runtime
+        scheduler_steps = (
+            runtime.deepspeed_engine.lr_scheduler.last_epoch if runtime.deepspeed_engine.lr_scheduler else -1
+        )
+        detail[f"k_steps={k_steps}"] = {
+            "skipped": state.skipped_steps,
+            "global_step": state.global_step,
+            "scheduler_steps": scheduler_steps,
+            "finite_losses": all(math.isfinite(v) for v in losses),
+        }
+        ok &= (
+            state.skipped_steps == 1
+            and state.global_step == 8
+            and scheduler_steps == 8
+            and all(math.isfinite(v) for v in losses)
+        )
+        _teardown()
+    return {"ok": ok, "detail": detail}
+
+
+def _linear_decay(optimizer: Any, total_steps: int = 1) -> Any:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1 - s / max(total_steps, 1)))
+
+
+def check_checkpoints(cuda: bool, steps: int) -> dict[str, Any]:
+    """Save, resume and export on the device; the rank file loads in a CPU-only process."""
+    from framework.checkpoint import store
+    from framework.export import fp32_state_dict
+
+    with tempfile.TemporaryDirectory() as tmp:
+        first = _engine(2)
+        _fit_losses(first, steps, save_dir=tmp)
+        weights = {k: v.float().cpu() for k, v in first.runtime.full_state_dict().items()}
+        _teardown()
+        resumed = _engine(2)
+        _fit_losses(resumed, steps + 2, save_dir=tmp, resume="auto")
+        continued = resumed.state.global_step == steps + 2 and resumed.state.info.resumed_from is not None
+        _teardown()
+        exported = fp32_state_dict(store.find_resumable(tmp))
+        newest = store.find_resumable(tmp)
+        code = (
+            "from framework.checkpoint import safety; import sys; "
+            "state = safety.load_safely(sys.argv[1]); print(sorted(state))"
+        )
+        cpu_only = subprocess.run(
+            [sys.executable, "-c", code, str(store.rank_file(newest, 0))],
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )
+    same_keys = set(weights) == set(exported)
+    ok = continued and same_keys and cpu_only.returncode == 0
+    return {
+        "ok": ok,
+        "detail": {
+            "resumed": continued,
+            "export_keys_match": same_keys,
+            "cpu_load": cpu_only.stderr[-300:] or "ok",
+        },
+    }
+
+
+def check_host_syncs(cuda: bool, steps: int) -> dict[str, Any]:
+    """No device-to-host synchronisation in training steps that are not logging points."""
+    if not cuda:
+        return {"ok": True, "skipped": True, "detail": "sync debugging is CUDA's"}
+    import warnings
+
+    syncs: list[str] = []
+
+    class Watch:
+        def on_event(self, event: Any, state: Any, control: Any = None) -> None:
+            if event.value == "step_start":
+                torch.cuda.set_sync_debug_mode("warn" if state.global_step >= 3 else 0)
+            elif event.value == "step_end":
+                torch.cuda.set_sync_debug_mode(0)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = _engine(0)
+        from framework.datasets import digits
+
+        engine.fit(
+            digits()[0], epochs=100, batch_size=64, max_steps=steps + 3, log_freq=10**6, callbacks=[Watch()]
+        )
+        torch.cuda.set_sync_debug_mode(0)
+        syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+    _teardown()
+    return {"ok": not syncs, "detail": {"syncs": syncs[:5], "count": len(syncs)}}
+
+
+def check_overlap(cuda: bool, steps: int) -> dict[str, Any]:
+    """Copies on a side stream overlapping compute (profiler), and prefetch 2 <= prefetch 0 in step time."""
+    from benchmarks.common import StepTimes, median
+
+    times = {}
+    for depth in (0, 2):
+        timer = StepTimes()
+        engine = _engine(0, prefetch=depth, callbacks=[timer])
+        _fit_losses(engine, steps + 5)
+        times[depth] = median(timer.times)
+        _teardown()
+    detail: dict[str, Any] = {"step_ms": {k: v * 1000 for k, v in times.items()}}
+    if not cuda:  # nothing to copy on the CPU: the loop ran, the timing says nothing about overlap
+        return {"ok": True, "skipped": True, "detail": detail}
+    ok = times[2] <= times[0] * 1.05
+    if cuda:
+        from torch.profiler import ProfilerActivity, profile
+
+        engine = _engine(0)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            _fit_losses(engine, 6)
+        _teardown()
+        events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        copies = [e for e in events if "Memcpy HtoD" in e.name]
+        kernels = [e for e in events if "Memcpy" not in e.name]
+        overlapping = sum(
+            1
+            for c in copies
+            if any(
+                k.time_range.start < c.time_range.end and c.time_range.start < k.time_range.end
+                for k in kernels
+            )
+        )
+        detail.update(h2d_copies=len(copies), overlapping_compute=overlapping)
+        ok &= overlapping > 0
+    return {"ok": ok, "detail": detail}
+
+
+def check_memory(cuda: bool, steps: int) -> dict[str, Any]:
+    """Peak device memory per ZeRO stage for a ~25 M GPT (one rank), next to Engine.cost()."""
+    from framework import Engine, Strategy
+    from framework.cost import live_tensor_bytes
+    from framework.models import GPT, LMLoss
+
+    size = {"n_layer": 8, "n_embd": 512, "n_head": 8} if cuda else {"n_layer": 2, "n_embd": 64, "n_head": 2}
+    rows = {}
+    for stage in (0, 1, 2, 3):
+        torch.manual_seed(0)
+        engine = Engine(
+            GPT(vocab_size=128, block_size=64, **size), LMLoss(), functools.partial(torch.optim.Adam, lr=1e-4),
+            strategy=Strategy(sharding={"stage": stage}),
+        )  # fmt: skip
+        estimate = engine.cost()["total_bytes"]
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        engine.prepare("train", 8)
+        ids = torch.randint(0, 128, (8, 65))
+        for _ in range(2):
+            engine.run((ids[:, :-1], ids[:, 1:]), mode="train")
+        measured = torch.cuda.max_memory_allocated() if cuda else live_tensor_bytes()[0]
+        rows[f"zero{stage}"] = {"estimate_MB": estimate / 2**20, "measured_MB": measured / 2**20}
+        _teardown()
+    return {"ok": all(r["measured_MB"] >= 0.9 * r["estimate_MB"] for r in rows.values()), "detail": rows}
+
+
+def check_train_py(cuda: bool, steps: int) -> dict[str, Any]:
+    """train.py end to end on the device; trainer.accelerator=cpu trains on the CPU."""
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, extra in (("default", []), ("cpu", ["trainer.accelerator=cpu"])):
+            run = subprocess.run(
+                [sys.executable, str(ROOT / "train.py"), f"trainer.max_steps={steps}", "trainer.epochs=1", *extra, f"hydra.run.dir={tmp}/{name}"],
+                capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+            )  # fmt: skip
+            where = "cuda" if "on cuda" in run.stdout else "cpu" if "on cpu" in run.stdout else "?"
+            results[name] = {
+                "returncode": run.returncode,
+                "device": where,
+                "tail": run.stderr[-300:] if run.returncode else "",
+            }
+    ok = results["default"]["returncode"] == 0 and results["default"]["device"] == ("cuda" if cuda else "cpu")
+    ok &= results["cpu"]["returncode"] == 0 and results["cpu"]["device"] == "cpu"
+    return {"ok": ok, "detail": results}
+
+
+CHECKS: list[tuple[str, Callable[[bool, int], dict[str, Any]]]] = [
+    ("placement", check_placement),
+    ("zero_stages", check_zero_stages),
+    ("mixed_precision", check_mixed_precision),
+    ("fp16_overflow", check_fp16_overflow),
+    ("checkpoints", check_checkpoints),
+    ("host_syncs", check_host_syncs),
+    ("overlap", check_overlap),
+    ("memory", check_memory),
+    ("train_py", check_train_py),
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every check; write the report; 0 when all passed."""
+    args = parse_args(__doc__, argv)
+    quiet()
+    cuda = torch.cuda.is_available() and not args.smoke
+    if not cuda:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    from framework import device
+
+    device.select_accelerator("cuda" if cuda else "cpu")
+    steps = 20 if cuda else 6
+    checks = []
+    for name, check in CHECKS:
+        start = time.perf_counter()
+        try:
+            result = check(cuda, steps)
+        except Exception as exc:  # noqa: BLE001 - a check that crashes fails, the others still run
+            result = {
+                "ok": False,
+                "detail": f"{type(exc).__name__}: {exc}",
+                "trace": traceback.format_exc()[-2000:],
+            }
+            _teardown()
+        result = {"name": name, "seconds": round(time.perf_counter() - start, 1), **result}
+        state = "skipped" if result.get("skipped") else ("ok" if result["ok"] else "FAILED")
+        print(
+            f"{name:16s} {state:8s} {result['seconds']:6.1f} s  {json.dumps(result['detail'], default=str)[:300]}",
+            flush=True,
+        )
+        checks.append(result)
+    report = {
+        "benchmark": "gpu_check",
+        "device": "cuda" if cuda else "cpu",
+        "gpu": torch.cuda.get_device_name(0) if cuda else None,
+        "machine": machine(),
+        "passed": all(c["ok"] for c in checks),
+        "checks": checks,
+    }
+    out_dir = args.out_dir or (Path(os.environ["OUT"]) if os.environ.get("OUT") else RESULTS)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
+    print(f"{'passed' if report['passed'] else 'FAILED'}: {out_dir / 'gpu_check.json'}")
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""Where a strategy's states live on this machine.
+
+Without an accelerator there is nowhere to offload to: offload is dropped (said once). With a
+GPU, an offloaded optimizer steps with DeepSpeed's CPU Adam when it can be built.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from framework import device as dev
+from framework.strategy import Strategy
+
+
+def for_this_machine(strategy: Strategy) -> Strategy:
+    """`strategy` as it will run here: without an accelerator, offload is dropped (see
+    `Strategy.for_host_only`) and rank 0 says so in one line."""
+    if dev.cuda_available():
+        return strategy
+    host = strategy.for_host_only()
+    if host is not strategy and dev.is_main_process():
+        print(
+            "strategy: no accelerator, so offload has nowhere to move states to; "
+            f"running {host.describe()} (states stay in host memory)",
+            flush=True,
+        )
+    return host
+
+
+def offload_optimizer(strategy: Strategy, optimizer: Any) -> Any:
+    """Under optimizer offload on a GPU machine, a torch Adam/AdamW factory becomes DeepSpeed's CPU
+    Adam (vectorised; torch's steps the offloaded fp32 states several times slower) when it can
+    be built (ninja and a C++ compiler); otherwise the torch optimizer stays, said in one line."""
+    import functools
+    import shutil
+
+    target = optimizer.func if isinstance(optimizer, functools.partial) else None
+    if not (
+        strategy.sharding.offload_optimizer
+        and dev.cuda_available()
+        and target in (torch.optim.Adam, torch.optim.AdamW)
+    ):
+        return optimizer
+    try:
+        from deepspeed.ops.op_builder import CPUAdamBuilder
+
+        buildable = shutil.which("ninja") is not None and CPUAdamBuilder().is_compatible(verbose=False)
+    except Exception:  # noqa: BLE001 - any failure to probe means: not here
+        buildable = False
+    if not buildable:
+        if dev.is_main_process():
+            print(
+                "offload: DeepSpeed's CPU Adam cannot be built here (needs ninja and a C++ compiler); the "
+                f"offloaded optimizer steps with torch's {target.__name__} on the CPU, which is slower",
+                flush=True,
+            )
+        return optimizer
+    import inspect
+
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    defaults = {k: p.default for k, p in inspect.signature(target).parameters.items()}
+    given = {**defaults, **optimizer.keywords}  # type: ignore[union-attr]
+    kwargs = {k: given[k] for k in ("lr", "betas", "eps", "weight_decay", "amsgrad") if k in given}
+    return lambda params: DeepSpeedCPUAdam(params, adamw_mode=target is torch.optim.AdamW, **kwargs)

@@ -1,0 +1,172 @@
+"""The CUDA path, checked where a CPU can: exports from fp32 masters under mixed precision, rank
+files that load on any device, no host sync in the framework's step path, skipped fp16 steps
+counted without drift, the accelerator choice; `benchmarks.gpu_check --smoke` runs the GPU check
+script itself on the CPU."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import sys
+import traceback
+import types
+
+import pytest
+import torch
+
+from framework import Callback, Engine, Strategy, device
+from framework.checkpoint import safety, store
+from framework.datasets import synthetic
+from framework.export import fp32_state_dict
+from framework.models import MLP
+from framework.weights import load_weights
+
+from .conftest import FAST, fails_cleanly, run_cmd, run_train
+
+DATA = synthetic(num_samples=512)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_group():
+    yield
+    device.destroy_process_group()
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_bf16_exports_are_the_fp32_masters_not_bf16_rounded(stage, tmp_path):
+    """Engine.save(training=False) and framework.export agree, and neither is rounded to bf16."""
+    torch.manual_seed(0)
+    engine = Engine(
+        MLP(hidden=[32]), torch.nn.CrossEntropyLoss(), functools.partial(torch.optim.AdamW, lr=1e-2),
+        strategy=Strategy(sharding={"stage": stage}, amp={"enable": True, "dtype": "bf16"}),
+    )  # fmt: skip
+    engine.fit(DATA.train, epochs=1, batch_size=32, save_dir=str(tmp_path))
+    engine.save(str(tmp_path / "w.safetensors"), training=False)
+    saved, exported = load_weights(tmp_path / "w.safetensors"), fp32_state_dict(tmp_path)
+    for key, value in saved.items():
+        assert torch.equal(value, exported[key]), key
+    weight = saved["features.0.weight"]
+    assert weight.dtype == torch.float32 and not torch.equal(weight, weight.bfloat16().float())
+
+
+def test_rank_files_hold_cpu_tensors_and_only_this_ranks_device_generator(tmp_path):
+    engine = Engine(
+        MLP(hidden=[32]), torch.nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1),
+        __import__("torchmetrics").classification.MulticlassAccuracy(num_classes=10),
+    )  # fmt: skip
+    engine.fit(DATA.train, epochs=1, batch_size=32, save_dir=str(tmp_path))
+    rank_file = store.rank_file(store.find_resumable(tmp_path), 0)
+    state = safety.load_safely(rank_file)
+    tensors = []
+
+    def walk(value):
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
+        elif isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v)
+
+    walk(state)
+    assert tensors and all(t.device.type == "cpu" for t in tensors)
+    assert set(state["rng"]) == {"python", "numpy", "torch", "device"}  # not every GPU's generator
+    assert state["metrics"]["train"]["metrics"]["accuracy"]
+
+
+class _CountSyncs(Callback):
+    """Counts host reads of tensor values made by framework code during steps that are not
+    logging points (on CUDA each would wait for the device)."""
+
+    def __init__(self):
+        self.calls: collections.Counter = collections.Counter()
+        self.active = False
+
+    def on_step_start(self, state):
+        self.active = state.global_step >= 2  # after the first steps (argument checks run once)
+
+    def on_step_end(self, state):
+        self.active = False
+
+
+def test_no_host_sync_from_the_framework_in_the_step_path(monkeypatch):
+    counter = _CountSyncs()
+    originals = {
+        name: getattr(torch.Tensor, name) for name in ("item", "tolist", "__float__", "__bool__", "__int__")
+    }
+
+    def counting(name, fn):
+        def wrapper(self, *args, **kwargs):
+            if counter.active:
+                frames = [f.filename for f in traceback.extract_stack(limit=8)[:-1]]
+                if any("/framework/" in f for f in frames[-3:]):
+                    counter.calls[(name, frames[-1])] += 1
+            return fn(self, *args, **kwargs)
+
+        return wrapper
+
+    for name, fn in originals.items():
+        monkeypatch.setattr(torch.Tensor, name, counting(name, fn))
+    for stage in (0, 3):
+        torch.manual_seed(0)
+        Engine(
+            MLP(hidden=[32]), torch.nn.CrossEntropyLoss(), functools.partial(torch.optim.AdamW, lr=1e-3),
+            __import__("torchmetrics").classification.MulticlassAccuracy(num_classes=10),
+            strategy=Strategy(sharding={"stage": stage}, gradient_merge={"k_steps": 2}), callbacks=[counter],
+        ).fit(DATA.train, epochs=1, batch_size=32, log_freq=1000)  # fmt: skip
+        counter.active = False
+        device.destroy_process_group()
+    assert not counter.calls, counter.calls
+
+
+def test_skipped_fp16_steps_are_counted_and_never_advance_the_step(monkeypatch):
+    """The loop's accounting of DeepSpeed's overflow skips (fp16 cannot run on this CPU): the
+    losses of a skipped step are dropped, with or without accumulation, global_step counts
+    applied steps only (what max_steps, checkpoint tags and the LR schedule follow)."""
+    from framework import loops
+    from framework.state import LoopState
+
+    runtime = types.SimpleNamespace(global_steps=0, skipped_steps=0, lr=0.1)
+    host = types.SimpleNamespace(runtime=runtime, state=LoopState())
+    pending: list = []
+
+    def call(loss, boundary, overflow):
+        before, skipped = runtime.global_steps, runtime.skipped_steps
+        pending.append(torch.tensor(loss))
+        if boundary:
+            runtime.global_steps += 1
+            runtime.skipped_steps += int(overflow)
+        loops._after_step(host, pending, before, skipped, log_freq=1000)
+
+    call(1.0, True, False)  # step 1 applied
+    call(float("inf"), False, False)  # accumulation: an overflowing micro-batch ...
+    call(2.0, True, True)  # ... and its boundary: the scaler skipped the step
+    call(3.0, True, False)  # step 2 applied
+    st = host.state
+    assert (st.global_step, st.skipped_steps) == (2, 1)
+    assert [float(v) for v, _ in st.epoch_loss.pending] == [1.0, 3.0]  # the skipped step's losses are gone
+    assert st.first_bad_loss() is None
+
+
+def test_accelerator_cuda_without_a_gpu_is_one_line(tmp_path):
+    fails_cleanly(
+        run_train(["trainer.accelerator=cuda", *FAST], tmp_path), "trainer.accelerator=cuda, but torch"
+    )
+
+
+def test_accelerator_cpu_trains_on_the_cpu(tmp_path):
+    run = run_train(["trainer.accelerator=cpu", *FAST, "trainer.max_steps=2"], tmp_path)
+    assert run.returncode == 0 and "process(es) on cpu" in run.stdout, run.stderr[-2000:]
+
+
+def test_gpu_check_smoke_runs_on_the_cpu(tmp_path):
+    run = run_cmd(
+        [sys.executable, "-m", "benchmarks.gpu_check", "--smoke", "--out-dir", str(tmp_path)], timeout=600
+    )
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    import json
+
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["passed"] and report["device"] == "cpu" and len(report["checks"]) >= 8
+    assert all(c["ok"] for c in report["checks"] if not c.get("skipped")), report["checks"]
