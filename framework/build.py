@@ -87,6 +87,7 @@ def build_fit_config(cfg: DictConfig, ckpt_dir: Path, handle_preemption: bool) -
         keep_last_k=t.checkpoint.keep_last_k,
         resume=t.resume,
         handle_preemption=handle_preemption,
+        peak_tflops=t.peak_tflops,
     )
 
 

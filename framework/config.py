@@ -78,9 +78,9 @@ class TrainerConfig:
     timeout_s: float = 300.0  # collective timeout: a dead rank fails the job instead of hanging it
     resume: str | None = None  # auto (the newest complete checkpoint in checkpoint.dir, if any) | PATH
     init_from: str | None = None  # start from these weights (safetensors / torch state dict) unless resuming
-    output_key: str | None = (
-        None  # the field of a dict / ModelOutput the loss and metrics read (default: logits)
-    )
+    peak_tflops: float | None = None  # one device's peak for MFU (default: a table of GPUs, a CPU probe)
+    # the field of a dict / ModelOutput the loss and metrics read (default: logits when present)
+    output_key: str | None = None
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sized
 from typing import Any
 
@@ -217,6 +218,7 @@ class BatchIterator:
         self._done = False
         self.fetched = 0
         self.snapshot: Any = None
+        self.waited = 0.0  # seconds spent waiting for the source (data stalls)
 
     def __iter__(self) -> BatchIterator:
         return self
@@ -227,13 +229,20 @@ class BatchIterator:
             return False
         if self._done or (self._limit is not None and self.fetched >= self._limit):
             return True
+        start = time.perf_counter()
         try:
             item = next(self._source)
             self._ahead.append(item if self._pairs else (item, None))
         except StopIteration:
+            self.waited += time.perf_counter() - start
             self._done = True
             return True
+        self.waited += time.perf_counter() - start
         return False
+
+    def peek(self) -> Any:
+        """The next batch without taking it (None at the end)."""
+        return None if self.exhausted() else self._ahead[0][0]
 
     def __next__(self) -> Any:
         if self.exhausted():

@@ -209,6 +209,7 @@ class Engine:
         collate_fn: Callable | None = None, num_workers: int = 0, callbacks: Iterable[Callback] | None = None,
         valid_at_start: bool = False, save_dir: str | None = None, save_freq: int = 0,
         keep_last_k: int | None = 3, resume: str | None = None, handle_preemption: bool = False,
+        peak_tflops: float | None = None,
     ) -> dict[str, list[Any]]:  # fmt: skip
         """Train for `epochs` epochs (or until `max_steps` optimizer steps) and return the history:
         per-epoch lists of loss, lr, each metric and, when validating, val_loss and val_<metric>
@@ -217,6 +218,7 @@ class Engine:
         config = loops.FitConfig(
             epochs, batch_size, steps_per_epoch, valid_freq, log_freq, max_steps, valid_batch_size, shuffle,
             collate_fn, num_workers, valid_at_start, save_dir, save_freq, keep_last_k, resume, handle_preemption,
+            peak_tflops,
         )  # fmt: skip
         return loops.fit(self, train_data, valid_data, config, callbacks or ())
 

@@ -25,6 +25,35 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def _rates(logs: dict[str, Any]) -> str:
+    """ " 51,200 tokens/s MFU 41.2% (data 1.2 forward 20.1 backward 40.3 optimizer 5.0 ms)" from a step's logs."""
+    text = f" {logs['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in logs else ""
+    if "mfu" in logs:
+        text += f" MFU {100 * logs['mfu']:.1f}%"
+    phases = [(k[5:-3], v) for k, v in logs.items() if k.startswith("time_") and k.endswith("_ms")]
+    if phases:
+        text += " (" + " ".join(f"{name} {ms:.1f}" for name, ms in phases) + " ms)"
+    return text
+
+
+def _throughput_summary(rates: dict[str, list[float]], state: LoopState) -> str:
+    """The run's mean throughput and MFU, and what the MFU is relative to."""
+
+    def mean(key: str) -> float:
+        return sum(rates[key]) / len(rates[key])
+
+    text = f"throughput: {mean('samples_per_s'):,.0f} samples/s"
+    if rates.get("tokens_per_s"):
+        text += f", {mean('tokens_per_s'):,.0f} tokens/s"
+    info = state.info
+    if rates.get("mfu") and info.peak_flops and info.flops_per_step:
+        text += (
+            f", MFU {100 * mean('mfu'):.1f}% of {info.peak_flops / 1e12:,.2f} TFLOP/s per device "
+            f"({info.flops_per_step / 1e9:,.2f} GFLOP per step and rank; {info.flops_source})"
+        )
+    return text + " (mean over logging points)"
+
+
 class ConsoleLogger(Callback):
     """A live progress bar per epoch on a terminal (loss, lr, samples/s, ETA); plain periodic lines
     when stdout is not a terminal (CI, Slurm logs); a summary table at the end."""
@@ -41,6 +70,7 @@ class ConsoleLogger(Callback):
         self._window_samples = 0
         self._loss: float | None = None
         self.best: dict[str, float] = {}
+        self.rates: dict[str, list[float]] = {}  # throughput at each logging point
 
     def on_fit_start(self, state: LoopState) -> None:
         """Print what is about to run."""
@@ -82,6 +112,10 @@ class ConsoleLogger(Callback):
         """Advance the bar (every step) or print a line (at logging points without a terminal)."""
         if "loss" in state.logs:
             self._loss = state.logs["loss"]
+        if state.log_now:
+            for key in ("samples_per_s", "tokens_per_s", "mfu"):
+                if key in state.logs:
+                    self.rates.setdefault(key, []).append(float(state.logs[key]))
         if self.live and self.progress is not None:
             self.progress.update(
                 self.task,
@@ -95,6 +129,7 @@ class ConsoleLogger(Callback):
             self.console.print(
                 f"epoch {state.epoch + 1}/{state.epochs} step {state.global_step} batch {state.batches_in_epoch}{total} "
                 f"loss {_fmt(self._loss)} lr {state.logs.get('lr', 0.0):.2e} {self._speed(state):,.0f} samples/s"
+                + _rates(state.logs)
             )
             self._window_t, self._window_samples = time.perf_counter(), state.samples_seen
 
@@ -142,6 +177,8 @@ class ConsoleLogger(Callback):
             f"done: {state.global_step} optimizer steps, {state.batches_fetched} batches, {state.samples_seen:,} samples "
             f"in {time.perf_counter() - self._t0:.1f} s{reason}{where}"
         )
+        if self.rates.get("samples_per_s"):
+            self.console.print(_throughput_summary(self.rates, state))
 
 
 class MetricsFile(Callback):

@@ -24,6 +24,7 @@ from framework.outputs import batch_size_of
 from framework.runtime import param_counts
 from framework.state import LoopState
 from framework.steps import apply_train_result, bind_step, default_train_step
+from framework.throughput import Speedometer
 
 # A step that pulls no batch this many times in a row would never end an epoch.
 MAX_IDLE_CALLS = 10_000
@@ -54,6 +55,7 @@ class FitConfig:
     keep_last_k: int | None = 3
     resume: str | None = None
     handle_preemption: bool = False
+    peak_tflops: float | None = None  # the device's peak for MFU (default: table / measured)
 
     def as_kwargs(self) -> dict[str, Any]:
         """The fields as keyword arguments (shallow: collate_fn stays the same object)."""
@@ -84,6 +86,7 @@ def fit(
         runtime.load_universal = checkpoint.needs_universal(resume_from, runtime.dp_size)
     host.prepare("train", cfg.batch_size)
     _start_run(host, cfg, batches_per_epoch)
+    speed = Speedometer(runtime, cfg.batch_size, cfg.peak_tflops)
     parts = checkpoint.Stateful(runtime, st, host.metrics)
     if resume_from is not None:
         checkpoint.load(parts, resume_from)
@@ -94,14 +97,21 @@ def fit(
     if valid_data is not None and cfg.valid_at_start and st.global_step == 0:
         _validate(host, events, valid_data, cfg, history_prefix="start_")
     try:
-        _epochs(host, events, loader, valid_data, cfg, batches_per_epoch, start)
+        _epochs(host, events, loader, valid_data, cfg, batches_per_epoch, start, speed)
     except NonFiniteLoss as exc:  # checkpoints whose weights give this NaN must not be resumed
         if exc.step is not None:
             checkpoint.mark_bad(
                 st.poisoned_checkpoints(exc.step), f"its weights gave a NaN/inf loss at step {exc.step}"
             )
         raise
+    finally:
+        runtime.timer = None
     st.elapsed_s = time.perf_counter() - start
+    st.info.flops_per_step, st.info.flops_source, st.info.peak_flops = (
+        speed.flops_per_step,
+        speed.source,
+        speed.peak,
+    )
     events.fire(Event.FIT_END, st)
     return st.history
 
@@ -114,6 +124,7 @@ def _epochs(
     cfg: FitConfig,
     batches_per_epoch: int,
     start: float,
+    speed: Speedometer,
 ) -> None:
     st = host.state
     for epoch in range(st.epoch, cfg.epochs):
@@ -124,7 +135,7 @@ def _epochs(
         loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
         if resuming:
             _restore_position(loader, st)
-        logs = train_epoch(host, events, loader, batches_per_epoch, cfg.log_freq, resuming)
+        logs = train_epoch(host, events, loader, batches_per_epoch, cfg.log_freq, resuming, speed)
         if valid_data is not None and (epoch + 1) % cfg.valid_freq == 0:
             logs.update(_validate(host, events, valid_data, cfg, logs=logs))
         for key, value in logs.items():
@@ -214,6 +225,7 @@ def train_epoch(
     batches_per_epoch: int,
     log_freq: int,
     resuming: bool = False,
+    speed: Speedometer | None = None,
 ) -> dict[str, Any]:
     """One epoch: call the step while batches are left (a step is never called on an empty epoch)
     or training stops. `resuming` continues an epoch a checkpoint interrupted."""
@@ -249,15 +261,22 @@ def train_epoch(
             if pipeline_calls is None and batches.exhausted():
                 break
             fetched, boundaries, skipped = batches.fetched, runtime.global_steps, runtime.skipped_steps
+            if speed is not None and not speed.measured and batches.peek() is not None:
+                speed.measure(batches.peek(), host.label_key, st.global_step)  # once, on the first batch
             events.fire(Event.STEP_START, st)
+            waited, started = batches.waited, speed.timer.now() if speed is not None else None
             try:
-                loss = apply_train_result(host, step())
+                result = step()
+                if speed is not None:
+                    speed.timer.add("forward", started, speed.timer.now())
+                    speed.timer.add_host("data", batches.waited - waited)
+                loss = apply_train_result(host, result)
             except StopIteration:
                 break
             st.step_calls += 1
             if loss is not None:
                 pending.append(loss)
-            _after_step(host, pending, boundaries, skipped, log_freq)
+            _after_step(host, pending, boundaries, skipped, log_freq, speed)
             idle_calls = idle_calls + 1 if batches.fetched == fetched and pipeline_calls is None else 0
             if idle_calls >= MAX_IDLE_CALLS:
                 raise RuntimeError(f"the training step pulled no batch in {MAX_IDLE_CALLS} consecutive calls")
@@ -280,7 +299,14 @@ def _epoch_logs(host: Host, pending: list[Any]) -> dict[str, Any]:
     return logs
 
 
-def _after_step(host: Host, pending: list[Any], boundaries: int, skipped: int, log_freq: int) -> None:
+def _after_step(
+    host: Host,
+    pending: list[Any],
+    boundaries: int,
+    skipped: int,
+    log_freq: int,
+    speed: Speedometer | None = None,
+) -> None:
     """Count what a step call did: at an optimizer-step boundary its losses join the meters (or
     are dropped with the step, when the fp16 loss scaler skipped it); logs at logging points."""
     st, runtime = host.state, host.runtime
@@ -300,6 +326,8 @@ def _after_step(host: Host, pending: list[Any], boundaries: int, skipped: int, l
         st.logs["loss"] = _reduced_window_loss(st)
         if st.skipped_steps:
             st.logs["skipped_steps"] = st.skipped_steps
+        if speed is not None:
+            st.logs.update(speed.logs(st.global_step))
 
 
 def _reduced_window_loss(st: LoopState) -> float:

@@ -2,8 +2,9 @@
 
     python -m framework.plot RUN_OR_SWEEP_DIR [MORE_DIRS ...] [--out DIR]
 
-Reads every `metrics.jsonl` under the given dirs and writes one PNG per quantity (loss,
-val_loss, each metric, lr) with one line per run, so a sweep's jobs compare in one figure.
+Reads every `metrics.jsonl` under the given dirs and writes one PNG per quantity (loss, val_loss,
+each metric, lr, samples/s, tokens/s, MFU, the step-time phases) with one line per run, so a
+sweep's jobs compare in one figure.
 """
 
 from __future__ import annotations

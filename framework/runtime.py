@@ -58,6 +58,7 @@ class Runtime:
         self.grad_norm_wanted = False  # ZeRO-0: compute the norm at the next step (costs a few %)
         self._last_grad_norm: torch.Tensor | None = None
         self._copier: Copier | None = None
+        self.timer: Any = None  # a throughput.PhaseTimer while a fit measures its steps
 
     # ------------------------------------------------------------------ topology
     def start(self) -> None:
@@ -233,11 +234,16 @@ class Runtime:
     # ------------------------------------------------------------------ optimisation
     def backward_and_step(self, loss: torch.Tensor) -> None:
         """Backward + step of one micro-batch; DeepSpeed applies the update at accumulation boundaries."""
-        ds = self.deepspeed_engine
+        ds, timer = self.deepspeed_engine, self.timer
+        start = timer.now() if timer is not None else None
         ds.backward(loss)
+        middle = timer.now() if timer is not None else None
         if ds.is_gradient_accumulation_boundary():
             self._note_grad_norm()
         ds.step()
+        if timer is not None:
+            timer.add("backward", start, middle)
+            timer.add("optimizer", middle, timer.now())
 
     def backward(self, loss: torch.Tensor) -> None:
         """A backward pass that `step` closes (any number of them before one step): each is a

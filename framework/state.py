@@ -26,6 +26,9 @@ class RunInfo:
     device_type: str = "cpu"
     deepspeed_config: dict[str, Any] = field(default_factory=dict)  # what DeepSpeed received
     resumed_from: str | None = None  # the checkpoint this run continued, if any
+    flops_per_step: float | None = None  # model FLOPs per optimizer step and rank (throughput.py)
+    flops_source: str = ""  # how they were counted
+    peak_flops: float | None = None  # one device's peak FLOP/s the MFU is relative to
 
 
 class LossMeter:

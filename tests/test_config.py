@@ -213,3 +213,20 @@ def test_unknown_strategy_lists_the_options(compose):
     with pytest.raises(ConfigCompositionException) as err:
         compose(["strategy=zero9"])
     assert "zero3" in str(err.value)
+
+
+def test_the_shipped_accuracy_equals_torchmetrics():
+    import torchmetrics
+
+    from framework.metrics import Accuracy
+
+    ours, theirs = Accuracy(), torchmetrics.classification.MulticlassAccuracy(num_classes=10, average="micro")
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        logits, labels = torch.randn(16, 10, generator=g), torch.randint(0, 10, (16,), generator=g)
+        ours.update(logits, labels)
+        theirs.update(logits, labels)
+    assert float(ours.compute()) == pytest.approx(float(theirs.compute()), abs=1e-7)
+    restored = Accuracy()
+    restored.load_state_dict(dict(ours.metric_state), strict=False)
+    assert float(restored.compute()) == float(ours.compute())

@@ -83,7 +83,7 @@ class GPT(nn.Module):
         dropout: float = 0.0,
     ):
         super().__init__()
-        self.vocab_size, self.block_size, self.n_embd = vocab_size, block_size, n_embd
+        self.vocab_size, self.block_size, self.n_embd, self.n_layer = vocab_size, block_size, n_embd, n_layer
         self.wte = TokenEmbedding(vocab_size, n_embd)
         self.pos = PositionEmbedding(block_size, n_embd, dropout)
         self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))

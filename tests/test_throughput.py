@@ -1,0 +1,61 @@
+"""Throughput, model FLOPs, MFU and the step-time breakdown, in the logs of a real run."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from framework import Engine, device
+from framework.datasets import chars, synthetic
+from framework.models import GPT, MLP, LMLoss
+
+
+@pytest.fixture(autouse=True)
+def _fresh_group():
+    yield
+    device.destroy_process_group()
+
+
+def step_records(engine, data, **fit):
+    records = []
+
+    class Keep:
+        def on_event(self, event, state, control=None):
+            if event.value == "step_end" and state.log_now:
+                records.append(dict(state.logs))
+
+    engine.fit(data, callbacks=[Keep()], **fit)
+    return records
+
+
+def test_a_transformer_reports_tokens_per_second_and_mfu_from_the_standard_formula():
+    torch.manual_seed(0)
+    model = GPT(vocab_size=128, block_size=32, n_layer=2, n_head=2, n_embd=64)
+    engine = Engine(model, LMLoss(), functools.partial(torch.optim.AdamW, lr=1e-3))
+    data = chars(block_size=32, max_chars=50_000).train
+    records = step_records(engine, data, epochs=1, batch_size=8, max_steps=6, log_freq=2, peak_tflops=1.0)
+    n = sum(p.numel() for p in model.parameters())
+    per_token = 6 * n + 12 * 2 * 64 * 32
+    info = engine.state.info
+    assert info.flops_per_step == per_token * 32 * 8 and info.flops_source.startswith("formula")
+    last = records[-1]
+    assert last["tokens_per_s"] == pytest.approx(last["samples_per_s"] * 32)
+    seconds_per_step = 1 / (last["samples_per_s"] / 8)
+    assert last["mfu"] == pytest.approx(info.flops_per_step / seconds_per_step / 1e12, rel=1e-6)
+    phases = {k for k in last if k.startswith("time_")}
+    assert phases == {"time_data_ms", "time_forward_ms", "time_backward_ms", "time_optimizer_ms"}
+    assert sum(last[k] for k in phases) <= seconds_per_step * 1000 * 1.05
+
+
+def test_other_models_count_their_flops_on_one_micro_batch():
+    torch.manual_seed(0)
+    engine = Engine(MLP(hidden=[32]), torch.nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1))
+    records = step_records(
+        engine, synthetic(num_samples=512).train, epochs=1, batch_size=16, max_steps=4, log_freq=2
+    )
+    forward = 2 * 16 * (64 * 32 + 32 * 10)  # multiply-adds of the two Linear layers
+    assert engine.state.info.flops_per_step == 3 * forward
+    assert engine.state.info.flops_source.startswith("counted")
+    assert 0 < records[-1]["mfu"] < 1 and "tokens_per_s" not in records[-1]
