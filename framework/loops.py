@@ -253,24 +253,14 @@ def train_epoch(
     idle_calls = 0
     try:
         while not st.stop_training:
-            if st.max_steps is not None and st.global_step >= st.max_steps:
-                st.stop_training, st.stop_reason = True, f"reached trainer.max_steps={st.max_steps}"
-                break
-            if pipeline_calls is not None and st.step_calls >= pipeline_calls:
-                break
-            if pipeline_calls is None and batches.exhausted():
+            if _epoch_over(st, batches, pipeline_calls):
                 break
             fetched, boundaries, skipped = batches.fetched, runtime.global_steps, runtime.skipped_steps
             if speed is not None and not speed.measured and batches.peek() is not None:
                 speed.measure(batches.peek(), host.label_key, st.global_step)  # once, on the first batch
             events.fire(Event.STEP_START, st)
-            waited, started = batches.waited, speed.timer.now() if speed is not None else None
             try:
-                result = step()
-                if speed is not None:
-                    speed.timer.add("forward", started, speed.timer.now())
-                    speed.timer.add_host("data", batches.waited - waited)
-                loss = apply_train_result(host, result)
+                loss = apply_train_result(host, _timed(step, batches, speed))
             except StopIteration:
                 break
             st.step_calls += 1
@@ -297,6 +287,28 @@ def _epoch_logs(host: Host, pending: list[Any]) -> dict[str, Any]:
     logs: dict[str, Any] = {"loss": dev.all_reduce_mean(st.epoch_loss.mean()), "lr": host.runtime.lr}
     logs.update(host.metrics.train.compute())
     return logs
+
+
+def _epoch_over(st: LoopState, batches: data_lib.BatchIterator, pipeline_calls: int | None) -> bool:
+    """True when this epoch has no step left: max_steps reached, or no batch left (a pipeline:
+    its calls done, since a middle stage pulls no data)."""
+    if st.max_steps is not None and st.global_step >= st.max_steps:
+        st.stop_training, st.stop_reason = True, f"reached trainer.max_steps={st.max_steps}"
+        return True
+    if pipeline_calls is not None:
+        return st.step_calls >= pipeline_calls
+    return batches.exhausted()
+
+
+def _timed(step: Callable[[], Any], batches: data_lib.BatchIterator, speed: Speedometer | None) -> Any:
+    """Call the step; with a speedometer, note its forward pass and its wait for data."""
+    if speed is None:
+        return step()
+    waited, started = batches.waited, speed.timer.now()
+    result = step()
+    speed.timer.add("forward", started, speed.timer.now())
+    speed.timer.add_host("data", batches.waited - waited)
+    return result
 
 
 def _after_step(

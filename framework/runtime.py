@@ -289,10 +289,9 @@ class Runtime:
         """Optimizer steps taken (skipped fp16 overflow steps included, as DeepSpeed counts)."""
         return int(self.deepspeed_engine.global_steps) if self.deepspeed_engine is not None else 0
 
-    @property
-    def micro_steps(self) -> int:
-        """Backward passes taken."""
-        return int(self.deepspeed_engine.micro_steps) if self.deepspeed_engine is not None else 0
+    micro_steps = property(
+        lambda self: int(getattr(self.deepspeed_engine, "micro_steps", 0)), doc="Backward passes."
+    )
 
     @property
     def skipped_steps(self) -> int:
