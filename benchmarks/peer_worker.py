@@ -1,6 +1,6 @@
 """One framework training one task, in its own process (started by benchmarks/peers.py).
 
-    python -m benchmarks.peer_worker {hydraspeed,lightning,accelerate} {mlp,gpt} STEPS
+    python -m benchmarks.peer_worker {hydraspeed,plain,lightning,accelerate} {mlp,gpt} STEPS
 
 Prints one JSON line: seconds from process start (BENCH_T0) to the end of the first step,
 and samples/s over the steps after warm-up.
@@ -62,6 +62,25 @@ def run_hydraspeed(name: str, steps: int) -> None:
     report(stamps[0], stamps, batch)
 
 
+def run_plain(name: str, steps: int) -> None:
+    """The floor: a plain PyTorch loop (no framework) on the same model, data and optimizer."""
+    import torch
+
+    model, loss, data, batch = task(name)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    stamps: list[float] = []
+    for i, (x, y) in enumerate(torch.utils.data.DataLoader(data, batch_size=batch, shuffle=True)):
+        if i >= steps:
+            break
+        optimizer.zero_grad(set_to_none=True)
+        value = loss(model(x), y)
+        value.backward()
+        optimizer.step()
+        value.item()
+        stamps.append(time.time())
+    report(stamps[0], stamps, batch)
+
+
 def run_lightning(name: str, steps: int) -> None:
     import lightning as L
     import torch
@@ -117,6 +136,10 @@ def run_accelerate(name: str, steps: int) -> None:
 
 if __name__ == "__main__":
     framework_name, task_name, n_steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    {"hydraspeed": run_hydraspeed, "lightning": run_lightning, "accelerate": run_accelerate}[framework_name](
-        task_name, n_steps
-    )
+    runners = {
+        "hydraspeed": run_hydraspeed,
+        "plain": run_plain,
+        "lightning": run_lightning,
+        "accelerate": run_accelerate,
+    }
+    runners[framework_name](task_name, n_steps)

@@ -68,7 +68,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     steps, repeats = (6, 1) if args.smoke else (40, 2) if args.quick else (100, 3)
     rows = []
     for task in tasks:
-        variants = {"hydraspeed": ("hydraspeed", None)}
+        variants = {
+            "hydraspeed": ("hydraspeed", None),
+            "plain PyTorch loop + same allocator": ("plain", same_allocator_env()),
+        }
         for peer in peers:
             variants[peer] = (peer, None)
             variants[f"{peer} + same allocator"] = (peer, same_allocator_env())
@@ -79,12 +82,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         ours = results["hydraspeed"]
         for name in results:
             rate = median([r["samples_per_s"] for r in results[name]])
+            # the spread: ours / theirs in each repeat (the runs alternate, so each pair ran back to back)
+            pairs = [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(ours, results[name])]
             rows.append(
                 {
                     "task": task,
                     "framework": name,
                     "samples_per_s": rate,
                     "ours_over_theirs": median([r["samples_per_s"] for r in ours]) / rate,
+                    "spread": f"{min(pairs):.2f}-{max(pairs):.2f}",
                     "first_step_s": median([r["first_step_s"] for r in results[name]]),
                 }
             )

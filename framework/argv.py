@@ -74,6 +74,19 @@ class HydraView:
         """False for the framework's own configs as shipped (the fast path: no loader needed)."""
         return bool(self.extra_dirs or self.searchpath_override or self.config_name != "train")
 
+    def may_set_run_mode(self) -> bool:
+        """Whether a config Hydra will read could set `hydra.mode` (so Hydra must compose once
+        just to read it): an override of it, an option file that sets it, or configs we do not know."""
+        if self.customised or any(o.lstrip("+~").startswith("hydra.mode") for o in self.overrides):
+            return True
+        chosen = {o.lstrip("+").split("=", 1)[0]: o.split("=", 1)[1] for o in self.overrides if "=" in o}
+        for file in [self.primary_dir / "train.yaml", *self.primary_dir.glob("*/*.yaml")]:
+            group, option = file.parent.name, file.stem
+            selected = file.parent == self.primary_dir or option in chosen.get(group, "").strip("[]").split(",")
+            if selected and any(line.strip().startswith("mode:") for line in file.read_text().splitlines()):
+                return True
+        return False
+
     def _search_overrides(self) -> list[str]:
         """One hydra.searchpath override holding the --config-dir entries and the user's own."""
         entries = list(self.extra_dirs)

@@ -55,6 +55,8 @@ def prepare_argv(argv: list[str] | None = None, conf_dir: Path | None = None) ->
         view.overrides = normalize(view.overrides, groups)
     if os.getcwd() not in sys.path:
         sys.path.insert(1, os.getcwd())
+    if not view.may_set_run_mode():
+        _skip_mode_probe()
     try:
         for item in view.overrides:
             check_override(item)
@@ -68,6 +70,19 @@ def prepare_argv(argv: list[str] | None = None, conf_dir: Path | None = None) ->
         sys.exit(1)
     if dev.launched() and int(os.environ.get("RANK", "0")) > 0:
         argv.extend(["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout"])
+
+
+def _skip_mode_probe() -> None:
+    """Hydra composes the whole config once only to read `hydra.mode` before composing it again
+    to run (a few tenths of a second of every start). When no config we will read sets it, the
+    answer is "none", which is what Hydra then decides from --multirun. Hydra 1.3's own method is
+    replaced for this process only when it has the expected signature."""
+    import inspect
+
+    from hydra._internal.hydra import Hydra
+
+    if list(inspect.signature(Hydra.get_mode).parameters) == ["self", "config_name", "overrides"]:
+        Hydra.get_mode = lambda self, config_name, overrides: None  # type: ignore[method-assign]
 
 
 def hydra_output_dir() -> str | None:
