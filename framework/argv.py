@@ -82,7 +82,9 @@ class HydraView:
         chosen = {o.lstrip("+").split("=", 1)[0]: o.split("=", 1)[1] for o in self.overrides if "=" in o}
         for file in [self.primary_dir / "train.yaml", *self.primary_dir.glob("*/*.yaml")]:
             group, option = file.parent.name, file.stem
-            selected = file.parent == self.primary_dir or option in chosen.get(group, "").strip("[]").split(",")
+            selected = file.parent == self.primary_dir or option in chosen.get(group, "").strip("[]").split(
+                ","
+            )
             if selected and any(line.strip().startswith("mode:") for line in file.read_text().splitlines()):
                 return True
         return False

@@ -267,8 +267,7 @@ def _fit(cfg: DictConfig, engine: Engine, splits: Any, ckpt_dir: Path) -> dict[s
     preempt = t.checkpoint.enabled and threading.current_thread() is threading.main_thread()
     if preempt:
         preemption.install_handler()
-    resuming = t.resume and (t.resume != "auto" or checkpoint.find_resumable(ckpt_dir) is not None)
-    if t.init_from and not resuming:
+    if t.init_from and not (t.resume and (t.resume != "auto" or checkpoint.find_resumable(ckpt_dir))):
         engine.prepare("train", int(t.batch_size))
         engine.load(str(t.init_from))  # a fresh start from these weights
     watchdog.start(float(t.timeout_s), dev.rank())  # a stuck rank ends the job within timeout_s

@@ -13,7 +13,10 @@ from framework.plot import plot
 from .conftest import FAST, ROOT, final_metrics, run_cmd, run_train, subprocess_env
 
 ERRORS = {
-    "unknown option": (["model=resnet"], ["unknown model 'resnet'", "cnn, gpt, mlp"]),
+    "unknown option": (
+        ["model=resnet"],
+        ["unknown model 'resnet'", "cnn, gpt, hf_causal_lm, hf_gpt2, hf_llama, mlp"],
+    ),
     "unknown option, + form": (["+metrics=f1"], ["unknown metrics 'f1'", "accuracy, none"]),
     "typo'd key": (["trainer.epoch=3"], ["trainer.epoch", "did you mean 'trainer.epochs'"]),
     "typo'd key, untyped group": (
@@ -242,4 +245,7 @@ def test_help_lists_groups_and_options():
     run = run_cmd([sys.executable, str(ROOT / "train.py"), "--help"])
     assert run.returncode == 0
     assert "strategy: pipeline, zero0, zero1, zero2, zero3, zero3_offload" in run.stdout
-    assert "model: cnn, gpt, mlp" in run.stdout and "+strategy=zero3" in run.stdout
+    assert (
+        "model: cnn, gpt, hf_causal_lm, hf_gpt2, hf_llama, mlp" in run.stdout
+        and "+strategy=zero3" in run.stdout
+    )
