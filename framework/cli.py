@@ -25,6 +25,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from framework import device as dev
 from framework.argv import HydraView, check_group_choice, check_untyped_keys, normalize
 from framework.build import checkpoint_dir, train, validate
+from framework.checkpoint import preemption
 from framework.checkpoint.store import complete_checkpoints, read_meta
 from framework.config import check_override, register_configs
 from framework.errors import CheckpointError, ConfigError, NonFiniteLoss
@@ -191,7 +192,14 @@ def worker_main(container: dict[str, Any], output_dir: str, context: dict[str, A
     cfg = OmegaConf.create(container)
     dev.quiet_deepspeed(_verbose(cfg))
     try:
-        return train(cfg, output_dir, context)
+        value = train(cfg, output_dir, context)
+        if preemption.requested_at() is not None:
+            # The launcher is shutting down (it forwarded SIGTERM) and no longer collects return
+            # values: returning would wait for it, until it gives up and kills us 30 s later.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+        return value
     except USER_ERRORS as exc:
         if _verbose(cfg):
             traceback.print_exc()

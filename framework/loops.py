@@ -136,7 +136,8 @@ def _epochs(
         if resuming:
             _restore_position(loader, st)
         logs = train_epoch(host, events, loader, batches_per_epoch, cfg.log_freq, resuming, speed)
-        if valid_data is not None and (epoch + 1) % cfg.valid_freq == 0:
+        preempted = st.stop_reason.startswith("preempted")  # leave at once: the job is being stopped
+        if valid_data is not None and (epoch + 1) % cfg.valid_freq == 0 and not preempted:
             logs.update(_validate(host, events, valid_data, cfg, logs=logs))
         for key, value in logs.items():
             st.history.setdefault(key, []).append(value)

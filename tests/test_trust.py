@@ -371,12 +371,18 @@ def test_a_squatted_master_port_does_not_hang_a_run(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
 
 
-def test_a_worker_killed_by_a_signal_is_named(tmp_path):
+def test_a_worker_killed_by_a_signal_is_named_and_the_launcher_leaves_no_temp_dir(tmp_path):
     kill = "+callbacks.kill={_target_:tests.helpers.KillRank,rank:1,step:3}"
-    fails_cleanly(
-        run_train([kill, *FAST, "trainer.devices=2"], tmp_path, timeout=180),
-        "worker rank 1 was killed by signal 9 (SIGKILL)",
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    run = run_train(
+        [kill, *FAST, "trainer.devices=2"],
+        tmp_path / "run",
+        timeout=180,
+        env=subprocess_env(TMPDIR=str(temp)),
     )
+    fails_cleanly(run, "worker rank 1 was killed by signal 9 (SIGKILL)")
+    assert not list(temp.glob("torchelastic_*")) and not list(temp.glob("hydraspeed-launch-*"))
 
 
 def test_sigterm_to_launcher_and_workers_together_saves_and_exits_zero(tmp_path):
