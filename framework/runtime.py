@@ -1,14 +1,11 @@
 """The DeepSpeed runtime of one Engine: the one owner of the DeepSpeed engine and of the batch layout.
 
-It joins the process group, builds models inside `deepspeed.zero.Init` when ZeRO-3 wants them
-born partitioned, calls `deepspeed.initialize` (the ZeRO engine, or the pipeline engine), and
-does everything that touches DeepSpeed's engine afterwards: forward, backward, optimizer step,
-step boundaries, learning rate / gradient norm / loss scale, pipeline batches and state dicts.
-Nothing outside this module holds DeepSpeed's engine.
-
-The batch layout (global = micro x accumulation x data-parallel ranks) is fixed by the first
-training call that names a global batch; evaluation and prediction only split their batch over
-the data-parallel ranks.
+It joins the process group, gives `deepspeed.zero.Init` for partitioned construction, calls
+`deepspeed.initialize` (the ZeRO or pipeline engine), and does everything that touches DeepSpeed's
+engine afterwards (forward, backward, step, boundaries, lr / grad norm / loss scale, pipeline
+batches, state dicts). Nothing outside this module holds DeepSpeed's engine. The batch layout
+(global = micro x accumulation x data-parallel ranks) is fixed by the first training call that
+names a global batch; evaluation and prediction only split their batch over data-parallel ranks.
 """
 
 from __future__ import annotations
@@ -25,6 +22,7 @@ from framework import device as dev
 from framework import pipeline as pipeline_lib
 from framework import recompute as recompute_lib
 from framework import watchdog, weights
+from framework.allocator import tune_host_allocator
 from framework.ds_config import deepspeed_config, zero_init_config
 from framework.errors import ConfigError
 from framework.placement import for_this_machine, offload_optimizer
@@ -48,6 +46,8 @@ class Runtime:
 
     def __init__(self, strategy: Strategy):
         self.strategy = for_this_machine(strategy)
+        # Before the model is built (ZeRO 1/2 copy its weights into flat buffers and free them).
+        tune_host_allocator(dev.cuda_available(), sharded=self.strategy.sharding.stage >= 1)
         self.layout: BatchLayout | None = None
         self._provisional = False  # the layout was made up to build DeepSpeed before any training call
         self.config: dict[str, Any] | None = None  # the dict DeepSpeed received
@@ -62,8 +62,10 @@ class Runtime:
 
     # ------------------------------------------------------------------ topology
     def start(self) -> None:
-        """Join (or create) the process group."""
+        """Join (or create) the process group; on a CPU, glibc's thresholds for this ZeRO stage
+        (`framework.allocator`; a Hydra sweep's next job may use another stage)."""
         dev.init_process_group()
+        tune_host_allocator(dev.cuda_available(), sharded=self.strategy.sharding.stage >= 1)
 
     @property
     def world_size(self) -> int:
@@ -96,10 +98,9 @@ class Runtime:
         )
         return self.layout
 
-    @property
-    def layout_fixed(self) -> bool:
-        """True once a training call fixed the layout."""
-        return self.layout is not None and not self._provisional
+    layout_fixed = property(
+        lambda self: self.layout is not None and not self._provisional, doc="A training call fixed it."
+    )
 
     def eval_batch_per_rank(self, global_batch_size: int) -> int:
         """This rank's share of an evaluation / prediction batch (no accumulation there)."""
@@ -252,11 +253,9 @@ class Runtime:
         self.deepspeed_engine.backward(loss, scale_wrt_gas=False)
 
     def step(self) -> None:
-        """Optimizer step after one or more `backward` calls.
-
-        Closing an accumulation that ran entirely off-boundary differs by stage (DeepSpeed 0.19):
-        ZeRO-0/1 reduce the accumulated `.grad`s explicitly; ZeRO-2 reduces only inside a boundary
-        backward, so a zero-valued backward over the parameters marks it; ZeRO-3 needs nothing."""
+        """Optimizer step after one or more `backward` calls. Closing an off-boundary accumulation
+        differs by stage (DeepSpeed 0.19): ZeRO-0/1 reduce the `.grad`s explicitly; ZeRO-2 reduces
+        only in a boundary backward (a zero-valued one marks it); ZeRO-3 needs nothing."""
         ds = self.deepspeed_engine
         ds.set_gradient_accumulation_boundary(True)
         stage = ds.zero_optimization_stage()
