@@ -56,9 +56,9 @@ def worker(kind: str, stage: int, offload: bool, model_name: str, steps: int, ba
     from hydra.utils import get_class
 
     from framework import Engine, Strategy, device
-    from framework.cost import live_tensor_bytes, model_state_bytes
+    from framework.cost import live_tensor_bytes, model_state_bytes, param_counts
     from framework.models import LMLoss
-    from framework.runtime import Runtime, param_counts
+    from framework.runtime import Runtime
 
     quiet()
     device.init_process_group()

@@ -24,10 +24,10 @@ def worker(stage: int, steps: int, rounds: int, hidden: int, batch: int) -> dict
     import deepspeed
 
     from framework import Engine, Strategy, device
+    from framework.cost import param_counts
     from framework.data import train_loader
     from framework.ds_config import deepspeed_config
     from framework.models import MLP
-    from framework.runtime import param_counts
     from framework.strategy import batch_layout
 
     quiet()

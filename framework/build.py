@@ -28,13 +28,14 @@ from framework import device as dev
 from framework.callbacks import Callback
 from framework.checkpoint import preemption
 from framework.config import check_schema
+from framework.cost import param_counts
 from framework.ds_config import deepspeed_config
 from framework.engine import Engine
 from framework.errors import ConfigError
 from framework.launch import check_launched_devices
 from framework.loggers import MetricsFile
 from framework.loops import FitConfig
-from framework.runtime import Runtime, check_layout, param_counts
+from framework.runtime import Runtime, check_layout
 from framework.state import LoopState
 from framework.strategy import Strategy
 

@@ -32,6 +32,18 @@ from framework.ds_config import chosen_sizes
 from framework.strategy import Strategy
 
 
+def param_counts(module: torch.nn.Module) -> tuple[int, int]:
+    """(total parameters, largest single parameter) — ZeRO-3-partitioned parameters counted whole."""
+    sizes = [int(getattr(p, "ds_numel", p.numel())) for p in module.parameters()]
+    return sum(sizes), max(sizes, default=0)
+
+
+def largest_block(module: torch.nn.Module) -> int:
+    """Parameters of the largest block of the model's `torch.nn.ModuleList`s (0 without any)."""
+    blocks = [m for sub in module.modules() if isinstance(sub, torch.nn.ModuleList) for m in sub]
+    return max((param_counts(b)[0] for b in blocks), default=0)
+
+
 def optimizer_state_bytes_per_param(optimizer: Any) -> int:
     """K: fp32 bytes of optimizer state per parameter for a torch optimizer (class, factory or instance)."""
     target = optimizer.func if isinstance(optimizer, functools.partial) else optimizer
@@ -122,8 +134,7 @@ def estimate(
     """Per-rank bytes of `module`'s model states under `strategy` (see the module doc) with
     `optimizer` (a torch optimizer, class or factory; None: no optimizer states), before anything
     runs; DeepSpeed's own estimate beside it. Eval / predict hold parameters only."""
-    sizes = [int(getattr(p, "ds_numel", p.numel())) for p in module.parameters()]
-    numel, largest = sum(sizes), max(sizes, default=0)
+    numel, largest = param_counts(module)
     k = optimizer_state_bytes_per_param(optimizer) if optimizer is not None else 8
     if mode != "train":
         k = 0

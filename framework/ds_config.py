@@ -12,14 +12,15 @@ from typing import Any
 from framework.strategy import BatchLayout, Strategy
 
 
-def auto_sizes(num_params: int, largest_param: int) -> dict[str, int]:
+def auto_sizes(num_params: int, largest_param: int, largest_block: int = 0) -> dict[str, int]:
     """Size-dependent ZeRO settings from the model, for settings left as "auto".
 
-    With P parameters and L the largest one, every size clamped to 1e5 .. 5e8 elements and
-    rounded up to a multiple of 64 (DeepSpeed asserts alignment):
+    With P parameters, L the largest one and B the largest block (a layer of the model's
+    `nn.ModuleList`s, e.g. a transformer block; 0 when it has none), every size clamped to
+    1e5 .. 5e8 elements and rounded up to a multiple of 64 (DeepSpeed asserts alignment):
       reduce / allgather bucket = min(L, P / 8)   small: a gradient bucket is a transient copy
-      ZeRO-3 prefetch bucket    = L               the next layer arrives while this one computes
-      max live parameters       = 2 x prefetch    about two of the largest layers gathered at once
+      ZeRO-3 prefetch bucket    = max(L, B)       the next layer / block arrives while this one computes
+      max live parameters       = 2 x prefetch    about two of the largest layers or blocks at once
       max reuse distance        = prefetch        a gathered layer is kept only if reused that soon
       persistence threshold     = 10 x sqrt(L)    biases / norms stay whole, like HF's 10 x hidden
       sub group                 = P / 4           optimizer step in ~4 chunks (matters under offload)
@@ -32,7 +33,7 @@ def auto_sizes(num_params: int, largest_param: int) -> dict[str, int]:
 
     largest = max(int(largest_param), 1)
     bucket = clamp(min(largest, num_params // 8))
-    prefetch = clamp(largest)
+    prefetch = clamp(max(largest, int(largest_block)))
     return {
         "reduce_bucket_size": bucket,
         "allgather_bucket_size": bucket,
@@ -44,9 +45,11 @@ def auto_sizes(num_params: int, largest_param: int) -> dict[str, int]:
     }
 
 
-def chosen_sizes(strategy: Strategy, num_params: int, largest_param: int) -> dict[str, int]:
+def chosen_sizes(
+    strategy: Strategy, num_params: int, largest_param: int, largest_block: int = 0
+) -> dict[str, int]:
     """The ZeRO size settings a run uses: the strategy's own values, "auto" ones from the model."""
-    sizes = auto_sizes(num_params, largest_param)
+    sizes = auto_sizes(num_params, largest_param, largest_block)
     s = strategy.sharding
     return {k: (v if getattr(s, k) in (None, "auto") else int(getattr(s, k))) for k, v in sizes.items()}
 
@@ -78,13 +81,13 @@ def _precision(strategy: Strategy) -> dict[str, Any]:
 
 
 def _zero_section(
-    strategy: Strategy, num_params: int, largest_param: int, pin_memory: bool
+    strategy: Strategy, num_params: int, largest_param: int, pin_memory: bool, largest_block: int = 0
 ) -> dict[str, Any]:
     s = strategy.sharding
     zero: dict[str, Any] = {"stage": s.stage}
     if s.stage == 0:
         return zero
-    chosen = chosen_sizes(strategy, num_params, largest_param)
+    chosen = chosen_sizes(strategy, num_params, largest_param, largest_block)
     zero["reduce_bucket_size"] = chosen["reduce_bucket_size"]
     zero["allgather_bucket_size"] = chosen["allgather_bucket_size"]
     if s.stage == 3:
@@ -108,18 +111,19 @@ def deepspeed_config(
     largest_param: int = 0,
     load_universal: bool = False,
     pin_memory: bool = False,
+    largest_block: int = 0,
 ) -> dict[str, Any]:
     """The DeepSpeed config dict for `strategy` with this batch layout.
 
     `num_params`/`largest_param` size the "auto" ZeRO settings; `load_universal` reads a
     checkpoint converted for another world size; `pin_memory` page-locks offloaded states (on a
-    GPU machine: faster copies to and from the device).
+    GPU machine: faster copies to and from the device); `largest_block` sizes ZeRO-3's prefetch.
     """
     config: dict[str, Any] = {
         **_batch_keys(layout),
         "steps_per_print": None,
         "wall_clock_breakdown": False,
-        "zero_optimization": _zero_section(strategy, num_params, largest_param, pin_memory),
+        "zero_optimization": _zero_section(strategy, num_params, largest_param, pin_memory, largest_block),
         # We hand DeepSpeed torch optimizers (SGD, AdamW, ...) and keep them under offload too,
         # which avoids the JIT build of DeepSpeedCPUAdam on a first run.
         "zero_allow_untested_optimizer": True,

@@ -18,10 +18,10 @@ from framework import checkpoint, watchdog
 from framework import data as data_lib
 from framework import device as dev
 from framework.callbacks import Callback, CallbackList, Control, Event
+from framework.cost import param_counts
 from framework.errors import NonFiniteLoss
 from framework.evaluation import Host, evaluate
 from framework.outputs import batch_size_of
-from framework.runtime import param_counts
 from framework.state import LoopState
 from framework.steps import apply_train_result, bind_step, default_train_step
 from framework.throughput import Speedometer

@@ -23,17 +23,12 @@ from framework import pipeline as pipeline_lib
 from framework import recompute as recompute_lib
 from framework import watchdog, weights
 from framework.allocator import tune_host_allocator
+from framework.cost import largest_block, param_counts
 from framework.ds_config import deepspeed_config, zero_init_config
 from framework.errors import ConfigError
 from framework.placement import for_this_machine, offload_optimizer
 from framework.strategy import BatchLayout, Strategy, batch_layout, compute_dtype_name
 from framework.transfer import Copier
-
-
-def param_counts(module: nn.Module) -> tuple[int, int]:
-    """(total parameters, largest single parameter) — ZeRO-3-partitioned parameters counted whole."""
-    sizes = [int(getattr(p, "ds_numel", p.numel())) for p in module.parameters()]
-    return sum(sizes), max(sizes, default=0)
 
 
 def check_layout(strategy: Strategy, global_batch_size: int, world_size: int) -> BatchLayout:
@@ -160,10 +155,8 @@ class Runtime:
         dev.quiet_deepspeed()
         self.module = module
         numel, largest = param_counts(module)
-        pin = dev.cuda_available()
-        self.config = deepspeed_config(
-            self.strategy, self._layout_for_build(), numel, largest, self.load_universal, pin
-        )
+        sizes = (numel, largest, self.load_universal, dev.cuda_available(), largest_block(module))
+        self.config = deepspeed_config(self.strategy, self._layout_for_build(), *sizes)
         optimizer = offload_optimizer(self.strategy, optimizer)
         if self.strategy.recompute.enable and not self.strategy.uses_pipeline:
             recompute_lib.enable(module)

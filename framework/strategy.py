@@ -166,8 +166,8 @@ class Strategy:
 
         Offloading moves states from device memory to host memory; when the device *is* the host
         there is nowhere to move them, and DeepSpeed's offload path only adds a host copy of the
-        fp32 partition and per-group gradient buffers (measured: +11% peak per rank on 2 CPU
-        ranks, benchmarks/memory.py). ZeRO-3 without offload is what such a run should get."""
+        fp32 partition and per-group gradient buffers (a higher peak: benchmarks/memory.py).
+        ZeRO-3 without offload is what such a run should get."""
         s = self.sharding
         if not (s.offload_optimizer or s.offload_params):
             return self

@@ -207,7 +207,7 @@ class Speedometer:
         ) * runtime.strategy.accumulation_steps
         shape = transformer_shape(runtime.module)
         if shape is not None and self.tokens:
-            from framework.runtime import param_counts
+            from framework.cost import param_counts
 
             layers, width = shape
             n = param_counts(runtime.module)[0]

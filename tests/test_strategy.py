@@ -210,3 +210,16 @@ def test_host_only_strategy_drops_offload_and_keeps_the_rest():
     assert "offload" not in json.dumps(config_for(host, 8, 1))
     plain = Strategy(sharding={"stage": 2})
     assert plain.for_host_only() is plain
+
+
+def test_zero3_prefetch_and_live_parameters_hold_whole_transformer_blocks():
+    """A transformer's block is larger than its largest tensor: ZeRO-3 prefetches a block and
+    keeps about two of them gathered."""
+    from framework.cost import largest_block
+    from framework.models import GPT
+
+    model = GPT(n_layer=2, n_embd=256, n_head=4)
+    block = largest_block(model)
+    assert block == sum(p.numel() for p in model.blocks[0].parameters())
+    sizes = auto_sizes(sum(p.numel() for p in model.parameters()), 4 * 256 * 256, block)
+    assert sizes["prefetch_bucket_size"] >= block and sizes["max_live_parameters"] >= 2 * block

@@ -91,9 +91,9 @@ def test_saved_deepspeed_config_is_what_deepspeed_received(tmp_path):
     import torch
 
     from framework import Engine, Strategy, device
+    from framework.cost import param_counts
     from framework.ds_config import auto_sizes
     from framework.models import MLP
-    from framework.runtime import param_counts
 
     run = run_train(["+strategy=zero3", *FAST], tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
