@@ -28,8 +28,16 @@ SLOW = "+callbacks.slow={_target_:tests.helpers.SlowDown,seconds:0.08}"
 TWO_BATCH = "step={_target_:examples.iterator_step.two_batch_step,_partial_:true}"
 
 
+TIMING = ("samples_per_s", "tokens_per_s", "mfu")  # measured, not computed: they differ run to run
+
+
 def records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """metrics.jsonl's records without the timing measurements."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [
+        {k: v for k, v in json.loads(line).items() if k not in TIMING and not k.startswith("time_")}
+        for line in lines
+    ]
 
 
 def start(args: list[str], run_dir: Path) -> subprocess.Popen:
