@@ -216,6 +216,11 @@ def init_process_group(timeout_s: float = 300.0) -> None:
         if not _tf32_set:
             use_tf32(True)
     tune_host_allocator(cuda_available())
+    if not cuda_available() and "LOCAL_SIZE" not in os.environ:
+        # DeepSpeed's CPU accelerator counts its devices from LOCAL_SIZE (its launcher sets it) and
+        # otherwise runs `numactl` in a subprocess, which ZeRO-3 does for every gradient bucket.
+        os.environ["LOCAL_SIZE"] = str(local_world_size())
+        _owned_env.append("LOCAL_SIZE")
     import deepspeed
     import deepspeed.ops
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import os
 import sys
 import traceback
 import types
@@ -118,6 +119,30 @@ def test_no_host_sync_from_the_framework_in_the_step_path(monkeypatch):
         counter.active = False
         device.destroy_process_group()
     assert not counter.calls, counter.calls
+
+
+def test_zero3_on_the_cpu_starts_no_subprocess_per_step(monkeypatch):
+    # DeepSpeed's CPU accelerator counts its devices from LOCAL_SIZE, else by running numactl,
+    # which ZeRO-3 asks for every gradient bucket: the framework says the local size itself.
+    import subprocess
+
+    started = []
+
+    def spy(cmd, *args, **kwargs):
+        started.append(cmd)
+        return real(cmd, *args, **kwargs)
+
+    real = subprocess.check_output
+    monkeypatch.setattr(subprocess, "check_output", spy)
+    torch.manual_seed(0)
+    engine = Engine(
+        MLP(hidden=[32]), torch.nn.CrossEntropyLoss(), functools.partial(torch.optim.AdamW, lr=1e-3),
+        strategy=Strategy(sharding={"stage": 3}),
+    )  # fmt: skip
+    engine.fit(DATA.train, epochs=1, batch_size=32, max_steps=3, log_freq=1000)
+    assert started == [] and os.environ["LOCAL_SIZE"] == "1"
+    device.destroy_process_group()
+    assert "LOCAL_SIZE" not in os.environ  # the framework's own setting goes with the group
 
 
 def test_skipped_fp16_steps_are_counted_and_never_advance_the_step(monkeypatch):
