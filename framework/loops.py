@@ -8,6 +8,7 @@ step really consumed. Losses stay on the device; they are read at logging points
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -258,10 +259,11 @@ def train_epoch(
                 break
             fetched, boundaries, skipped = batches.fetched, runtime.global_steps, runtime.skipped_steps
             if speed is not None and not speed.measured and batches.peek() is not None:
-                speed.measure(batches.peek(), host.label_key, st.global_step)  # once, on the first batch
+                speed.measure(batches.peek(), st.global_step)  # once, on the first batch
             events.fire(Event.STEP_START, st)
             try:
-                loss = apply_train_result(host, _timed(step, batches, speed))
+                with speed.counting() if speed is not None else contextlib.nullcontext():
+                    loss = apply_train_result(host, _timed(step, batches, speed))
             except StopIteration:
                 break
             st.step_calls += 1

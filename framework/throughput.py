@@ -5,8 +5,8 @@ logging points.
 * FLOPs per optimizer step and rank: for a transformer whose shape is known (the framework's
   GPT, a Hugging Face causal LM) the standard count, 6 N + 12 L d T per token (N parameters, L
   layers, d width, T context: weights forward and backward, plus attention); otherwise
-  `torch.utils.flop_counter.FlopCounterMode` on one micro-batch's forward pass, times 3 (the
-  backward pass costs about twice the forward). `flops_source` says which.
+  `torch.utils.flop_counter.FlopCounterMode` over the run's first optimizer step (forward and
+  backward of every micro-batch, as the step really computes them). `flops_source` says which.
 * Peak FLOP/s of one device: on CUDA from a table of dense peaks per GPU and dtype (TF32 for
   fp32 when it is on); on a CPU from a short matmul probe, cached per machine in
   ~/.cache/hydraspeed/peak_flops.json. `trainer.peak_tflops` overrides both.
@@ -18,10 +18,12 @@ logging points.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -123,15 +125,6 @@ def tokens_per_sample(batch: Any) -> int | None:
     return None
 
 
-def forward_flops(model: Any, inputs: Any) -> int:
-    """FLOPs of one forward pass of `model` on `inputs` (a tuple of args, or a dict of kwargs)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        model(**inputs) if isinstance(inputs, dict) else model(*inputs)
-    return int(counter.get_total_flops())
-
-
 class PhaseTimer:
     """Time spent per phase of the steps since the last `read()`, without waiting for the device:
     on CUDA, events recorded on the compute stream and read at the next `read()`."""
@@ -183,6 +176,8 @@ class Speedometer:
         self.flops_per_step: float | None = None  # per rank
         self.source = ""
         self.measured = False
+        self._counter: Any = None  # a FlopCounterMode while the first optimizer step is counted
+        self._counted, self._count_from = 0, 0
         self.peak = peak_tflops * 1e12 if peak_tflops else self._device_peak(dev)
         self.since, self.steps_at = time.perf_counter(), 0
 
@@ -194,11 +189,9 @@ class Speedometer:
             )
         return cpu_peak(dtype if dtype != torch.float16 else torch.float32)
 
-    def measure(self, batch: Any, label_key: str, step: int) -> None:
-        """FLOPs per optimizer step and rank, from the first batch (every rank, together)."""
-        from framework import device as dev
-        from framework.outputs import split
-
+    def measure(self, batch: Any, step: int) -> None:
+        """From the first batch (every rank, together): tokens per sample, and the FLOPs per
+        optimizer step by the formula, or else a counter for `counting` to run the first step under."""
         self.since, self.steps_at, self.measured = time.perf_counter(), step, True
         runtime = self.runtime
         self.tokens = tokens_per_sample(batch)
@@ -215,14 +208,27 @@ class Speedometer:
             self.flops_per_step = per_token * self.tokens * per_step / runtime.strategy.pipeline.stages
             self.source = "formula: 6 N + 12 L d T per token"
         elif not runtime.strategy.uses_pipeline:
-            args, kwargs, _ = split(batch, label_key)
-            was_training = runtime.training
-            runtime.train(False)
-            with torch.random.fork_rng(devices=[dev.device()] if self.cuda else []):
-                forward = forward_flops(runtime.forward, kwargs if kwargs else args)
-            runtime.train(was_training)
-            self.flops_per_step = 3 * forward * runtime.strategy.accumulation_steps
-            self.source = "counted: FlopCounterMode on a micro-batch's forward pass x 3"
+            from torch.utils.flop_counter import FlopCounterMode
+
+            self._counter, self._counted = FlopCounterMode(display=False), 0
+            self._count_from = runtime.global_steps
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        """Run a step call under the FLOP counter until the first optimizer step is done: what
+        the real step computes (forward, backward, any extra passes a custom step makes), with no
+        pass of its own that ZeRO-3 would record as part of the model's order of use."""
+        counter = self._counter
+        if counter is None:
+            yield
+            return
+        with counter:
+            yield
+        self._counted += counter.get_total_flops()
+        steps = self.runtime.global_steps - self._count_from
+        if steps > 0:
+            self.flops_per_step, self._counter = self._counted / steps, None
+            self.source = "counted: FlopCounterMode over the first optimizer step"
 
     def logs(self, step: int) -> dict[str, float]:
         """Numbers for the interval since the last call (reads the device's timing events)."""

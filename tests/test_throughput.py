@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 
-from framework import Engine, device
+from framework import Engine, Strategy, device
 from framework.datasets import chars, synthetic
 from framework.models import GPT, MLP, LMLoss
 
@@ -49,13 +49,26 @@ def test_a_transformer_reports_tokens_per_second_and_mfu_from_the_standard_formu
     assert sum(last[k] for k in phases) <= seconds_per_step * 1000 * 1.05
 
 
-def test_other_models_count_their_flops_on_one_micro_batch():
+@pytest.mark.parametrize(
+    "strategy",
+    [{}, {"sharding": {"stage": 3}}, {"gradient_merge": {"k_steps": 2}}],
+    ids=["zero0", "zero3", "accumulate2"],
+)
+def test_other_models_count_the_flops_of_their_first_optimizer_step(strategy):
     torch.manual_seed(0)
-    engine = Engine(MLP(hidden=[32]), torch.nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1))
+    engine = Engine(
+        MLP(hidden=[32]),
+        torch.nn.CrossEntropyLoss(),
+        functools.partial(torch.optim.SGD, lr=0.1),
+        strategy=Strategy(**strategy),
+    )
     records = step_records(
         engine, synthetic(num_samples=512).train, epochs=1, batch_size=16, max_steps=4, log_freq=2
     )
-    forward = 2 * 16 * (64 * 32 + 32 * 10)  # multiply-adds of the two Linear layers
-    assert engine.state.info.flops_per_step == 3 * forward
+    # multiply-adds of 16 samples: forward through both Linear layers, backward to both weights
+    # and to the first layer's output (the input needs no gradient)
+    forward = 2 * 16 * (64 * 32 + 32 * 10)
+    backward = 2 * 16 * (64 * 32 + 2 * 32 * 10)
+    assert engine.state.info.flops_per_step == forward + backward
     assert engine.state.info.flops_source.startswith("counted")
     assert 0 < records[-1]["mfu"] < 1 and "tokens_per_s" not in records[-1]
