@@ -1,7 +1,7 @@
 """Overhead of `Engine.fit` over a minimal hand-written DeepSpeed loop.
 
 Same model, data and DeepSpeed config; in one process tree the two loops take turns
-(A, B, A, B, ...) so the machine's noise hits both alike. Reported: median per-step time of
+(A, B, A, B, ...) so the machine's noise hits both alike, under the same allocator thresholds. Reported: median per-step time of
 each and the ratio fit / raw (target <= 1.03), for ZeRO-0 and ZeRO-3 on 1 and 2 processes.
 
     python -m benchmarks.overhead [--quick | --smoke]
@@ -24,6 +24,7 @@ def worker(stage: int, steps: int, rounds: int, hidden: int, batch: int) -> dict
     import deepspeed
 
     from framework import Engine, Strategy, device
+    from framework.allocator import tune_host_allocator
     from framework.cost import param_counts
     from framework.data import train_loader
     from framework.ds_config import deepspeed_config
@@ -32,6 +33,9 @@ def worker(stage: int, steps: int, rounds: int, hidden: int, batch: int) -> dict
 
     quiet()
     device.init_process_group()
+    # both loops under the allocator thresholds the framework sets (process-wide, so otherwise the
+    # raw loop's first round would run with glibc's defaults and the rest with the framework's)
+    tune_host_allocator(sharded=stage > 0)
     strategy = Strategy(sharding={"stage": stage})
     world = device.world_size()
     layout = batch_layout(strategy, batch, world)
