@@ -21,7 +21,7 @@ from torch import nn
 from framework import device as dev
 from framework import pipeline as pipeline_lib
 from framework import recompute as recompute_lib
-from framework import watchdog, weights
+from framework import watchdog, weights, zero3_trace
 from framework.allocator import tune_host_allocator
 from framework.cost import largest_block, param_counts
 from framework.ds_config import deepspeed_config, zero_init_config
@@ -184,6 +184,8 @@ class Runtime:
                 lr_scheduler=scheduler,
                 config=self.config,
             )
+        if self._is_zero3():
+            zero3_trace.keep_release_plans_fresh(module, self.deepspeed_engine)
         if self.dp_size == 1 and self.strategy.sharding.stage == 0 and not self.strategy.uses_pipeline:
             # One data-parallel rank: DeepSpeed would still flatten and "all-reduce" every gradient
             # over a group of one each step (pure copies).

@@ -270,3 +270,43 @@ def test_evaluation_is_not_split_into_accumulation_steps():
             expected = float(torch.nn.functional.cross_entropy(engine.module(x), y))
         assert result["loss"] == pytest.approx(expected, rel=1e-5)
         engine.fit(splits.train, epochs=1, batch_size=32)
+
+
+def _gathered_per_step(monkeypatch, evaluate_first: bool) -> list[int]:
+    """Elements ZeRO-3 gathered in each of 4 training steps of a small MLP on one rank."""
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    name = "_PartitionedParameterCoordinator__all_gather_params"
+    gather = getattr(PartitionedParameterCoordinator, name)
+    gathered = [0]
+
+    def counting(self, params, forward):
+        gathered[0] += sum(p.ds_numel for p in params)
+        return gather(self, params, forward)
+
+    monkeypatch.setattr(PartitionedParameterCoordinator, name, counting)
+    engine = make_engine(stage=3)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(16, 64, generator=g), torch.randint(0, 10, (16,), generator=g)) for _ in range(4)]
+    engine.prepare("train", 16)
+    engine.prepare("eval", 16)
+    if evaluate_first:
+        for batch in batches[:3]:  # more than one: the coordinator completes a forward-only trace
+            engine.run(batch, mode="eval")
+    per_step = []
+    for batch in batches:
+        gathered[0] = 0
+        engine.run(batch, mode="train")
+        per_step.append(gathered[0])
+    device.destroy_process_group()
+    return per_step
+
+
+def test_zero3_gathers_each_weight_once_per_step_after_an_evaluation_first(monkeypatch):
+    # DeepSpeed 0.19 memoises which weights to free after each module per position in its module
+    # trace and keeps the memo when the trace is replaced: after a forward-only (eval) trace every
+    # later forward freed the weights backward needs, and backward gathered them again.
+    plain = _gathered_per_step(monkeypatch, evaluate_first=False)
+    after_eval = _gathered_per_step(monkeypatch, evaluate_first=True)
+    assert plain[-1] > 0
+    assert after_eval[-2:] == plain[-2:]
