@@ -1,7 +1,8 @@
 """Memory per rank under ZeRO 0-3 (and ZeRO-3 + offload), ours next to raw DeepSpeed defaults.
 
-Two ranks, a model of a few tens of millions of parameters (the 30.4 M MLP 256-4096-4096-3072-10
-and a GPT of similar size). Each configuration runs in fresh processes, so each peak is its own:
+Two ranks (the transformer also four), a model of a few tens of millions of parameters (the
+30.4 M MLP 256-4096-4096-3072-10 and a GPT of similar size). Each configuration runs in fresh
+processes, so each peak is its own:
 
 * peak RSS per rank, and peak minus the RSS after imports (the baseline);
 * model-state tensor bytes per rank (parameters + gradients + optimizer states and the buffers
@@ -133,7 +134,7 @@ def measure(
     from framework.launch import spawn
 
     row = spawn(worker, (kind, stage, offload, model_name, steps, batch), nproc)
-    return {**row, "micro_batch": batch // nproc}
+    return {**row, "micro_batch": batch // nproc, "ranks": nproc}
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -159,8 +160,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     rows = [measure(kind, stage, offload, model, steps) for model in models for kind, stage, offload in grid]
     if not args.smoke:  # the transformer at a small and a large micro-batch: does ZeRO lower the peak?
         rows += [
-            measure("ours", stage, False, "gpt25m", steps, batch=2 * micro)
-            for micro in (4, 32)
+            measure("ours", stage, False, "gpt25m", steps, nproc=nproc, batch=nproc * micro)
+            for nproc, micro in ((2, 4), (2, 32), (4, 4))  # and with 4 ranks, where ZeRO saves more
             for stage in (0, 2, 3)
         ]
     if not args.smoke:
@@ -174,18 +175,19 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for row in rows:
         zero0 = next(
             r for r in rows
-            if (r["model"], r["micro_batch"], r["setup"]) == (row["model"], row["micro_batch"], "ours ZeRO-0")
+            if (r["model"], r["micro_batch"], r["ranks"], r["setup"])
+            == (row["model"], row["micro_batch"], row["ranks"], "ours ZeRO-0")
         )  # fmt: skip
         row["peak_vs_ours_zero0"] = row["peak_minus_baseline_MB"] / zero0["peak_minus_baseline_MB"]
         # the target: below ZeRO-0's peak by at least 75% of the model-state bytes this stage saves
         row["target_peak_MB"] = zero0["peak_minus_baseline_MB"] - 0.75 * (zero0["state_MB"] - row["state_MB"])
-    print_table("Memory per rank, 2 ranks (MB)", rows)
+    print_table("Memory per rank (MB)", rows)
     write(
         "memory",
         rows,
         {
-            "ranks": 2,
-            "global_batch": 64,
+            "ranks": "2 (each row's ranks; gpt25m also on 4)",
+            "global_batch": "64 (gpt25m: ranks x micro_batch)",
             "optimizer": "Adam (fp32)",
             "state_MB": "bytes of the tensors alive after a backward: allocated, not necessarily "
             "resident (raw ZeRO-3 counts DeepSpeed's default 5e8-element reduce bucket, 2 GB of "

@@ -21,9 +21,14 @@ from benchmarks.common import RESULTS, machine
 BENCHMARKS = ["overhead", "stalls", "first_step", "memory", "peers", "pipeline"]
 
 
+def _gpt_case(row: dict) -> str:
+    """The transformer is measured at two micro-batch sizes and on 2 and 4 ranks: which one."""
+    ranks = row.get("ranks", 2)
+    return f"micro-batch {row['micro_batch']}{f', {ranks} ranks' if ranks != 2 else ''}"
+
+
 def _micro_batch_label(row: dict) -> str:
-    """The transformer is measured at two micro-batch sizes: name which one a row is."""
-    return f" (micro-batch {row['micro_batch']})" if row["model"] == "gpt25m" else ""
+    return f" ({_gpt_case(row)})" if row["model"] == "gpt25m" else ""
 
 
 def _rows(name: str, out_dir: Path) -> list[dict]:
@@ -80,7 +85,7 @@ def summary(out_dir: Path, command: str) -> str:
             if row["micro_batch"] >= 32 and row["setup"] == "ours ZeRO-3":
                 target = peak / row["peak_vs_ours_zero0"]  # at a large micro-batch: not above ZeRO-0
             add(
-                f"memory: gpt25m {row['setup'][5:]} peak-minus-baseline, micro-batch {row['micro_batch']} (MB)",
+                f"memory: gpt25m {row['setup'][5:]} peak-minus-baseline, {_gpt_case(row)} (MB)",
                 f"{peak:.0f} ({row['peak_vs_ours_zero0']:.2f} of ZeRO-0's)",
                 f"<= {target:.0f}",
                 peak <= target,

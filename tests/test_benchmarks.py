@@ -23,6 +23,7 @@ EXPECTED_KEYS = {
         "state_MB",
         "formula_MB",
         "step_ms",
+        "ranks",
     },
     "peers": {"task", "framework", "samples_per_s", "ours_over_theirs", "first_step_s"},
     "pipeline": {"micro_batches", "t1_ms", "t2_ms", "bubble_measured", "bubble_1f1b_theory"},
