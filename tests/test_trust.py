@@ -96,6 +96,35 @@ def test_a_checkpoint_that_would_run_code_is_refused_by_resume_and_export(tmp_pa
     assert not marker.exists()
 
 
+def test_a_symbolic_link_in_a_checkpoint_is_refused(tmp_path):
+    # A linked directory is not walked by a glob: a poisoned file behind it would reach DeepSpeed.
+    path = store.find_resumable(trained(tmp_path / "ckpts"))
+    marker, elsewhere = tmp_path / "marker", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    torch.save({"x": Payload(marker)}, elsewhere / "fp32.pt")
+    (path / "zero").symlink_to(elsewhere, target_is_directory=True)
+    # what someone planting it would do (digests() itself refuses links): record its checksum
+    meta = json.loads((path / store.COMPLETE).read_text())
+    meta["files"]["zero/fp32.pt"] = safety.sha256(elsewhere / "fp32.pt")
+    (path / store.COMPLETE).write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="zero is a symbolic link; refusing to load it"):
+        store.verify(path)
+    assert not marker.exists()
+
+
+def test_converting_for_another_world_size_never_reads_files_planted_in_its_output(tmp_path):
+    # DeepSpeed's ds_to_universal unpickles every <out>/tmp/<param>/<tp>/<state>.* it finds.
+    path = store.find_resumable(trained(tmp_path / "ckpts", stage=2))
+    marker = tmp_path / "marker"
+    planted = path.with_name(path.name + "_universal") / "tmp" / "features.0.bias" / "0"
+    planted.mkdir(parents=True)
+    torch.save(Payload(marker), planted / "fp32.07")
+    out = store.to_universal(path)
+    assert not marker.exists() and not (out / "tmp").exists()
+    assert store.read_meta(out)["converted_from"] == safety.sha256(path / store.COMPLETE)
+    assert [p.name for p in out.parent.iterdir() if ".converting-" in p.name] == []
+
+
 # ------------------------------------------------------------------------------------- 3. corruption
 
 
@@ -172,6 +201,36 @@ def test_a_checkpoint_dir_in_use_by_a_live_run_is_refused_and_a_stale_lock_is_ta
     lock.write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "time": time.time()}))
     engine().fit(DATA.train, epochs=1, batch_size=32, save_dir=str(tmp_path))  # the holder is gone
     assert not lock.exists() and store.complete_checkpoints(tmp_path)
+
+
+def _race_for_the_lock(ckpt_dir: str, start, results, hold) -> None:
+    start.wait()
+    try:
+        store.acquire_lock(Path(ckpt_dir))
+        results.put("took it")
+    except ConfigError:
+        results.put("refused")
+    hold.wait()  # keep it until both have answered
+
+
+def test_two_runs_starting_together_cannot_both_take_the_lock(tmp_path):
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    for attempt in range(10):
+        start, hold, results = context.Barrier(2), context.Event(), context.Queue()
+        ckpt_dir = str(tmp_path / str(attempt))
+        runs = [
+            context.Process(target=_race_for_the_lock, args=(ckpt_dir, start, results, hold))
+            for _ in range(2)
+        ]
+        for run in runs:
+            run.start()
+        answers = sorted(results.get(timeout=60) for _ in runs)
+        hold.set()
+        for run in runs:
+            run.join(timeout=60)
+        assert answers == ["refused", "took it"], f"attempt {attempt}: {answers}"
 
 
 # ------------------------------------------------------------------------------------- 9. another setup

@@ -1,12 +1,15 @@
 """A checkpoint is checked before anything reads it: every file must be the one that was saved
-(a SHA-256 per file, recorded in COMPLETE.json) and must load with `torch.load(weights_only=True)`,
-so unpickling it can never run code. DeepSpeed's own loaders (`load_checkpoint`, `zero_to_fp32`,
-`ds_to_universal`) unpickle freely; they only ever see files that passed both checks.
+(a SHA-256 per file, recorded in COMPLETE.json), every torch file (`*.pt`, the only files
+DeepSpeed's loaders unpickle) must load with `torch.load(weights_only=True)`, so unpickling it
+can never run code, and no symbolic link may lead past those checks. DeepSpeed's own loaders
+(`load_checkpoint`, `zero_to_fp32`, `ds_to_universal`) unpickle freely; they only ever see
+files that passed these checks.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import pickle
 from pathlib import Path
 from typing import Any
@@ -41,8 +44,8 @@ def digests(path: Path) -> dict[str, str]:
     """{file path relative to the checkpoint dir: SHA-256} for every file of checkpoint `path`."""
     return {
         str(file.relative_to(path)): sha256(file)
-        for file in sorted(path.rglob("*"))
-        if file.is_file() and file.name not in _UNHASHED
+        for file in sorted(_files(path))
+        if file.name not in _UNHASHED
     }
 
 
@@ -83,5 +86,23 @@ def verify(path: Path, meta: dict[str, Any]) -> None:
             raise CheckpointError(
                 f"checkpoint {path} is damaged: {name} is not the file that was saved (its checksum differs)"
             )
-    for file in sorted(path.rglob("*.pt")):
-        _check_loads_without_code(path, file)
+    for file in sorted(_files(path)):
+        if file.name.endswith(".pt"):  # DeepSpeed's loaders unpickle *.pt files only
+            _check_loads_without_code(path, file)
+
+
+def _files(path: Path) -> list[Path]:
+    """Every file of checkpoint `path`; a CheckpointError for a symbolic link anywhere in it (a
+    link can point at files no check has seen, or change after the check)."""
+    found = []
+    for root, dirs, files in os.walk(path):  # does not follow links into other directories
+        for name in dirs + files:
+            entry = Path(root) / name
+            if entry.is_symlink():
+                raise CheckpointError(
+                    f"checkpoint {path}: {entry.relative_to(path)} is a symbolic link; refusing to load it "
+                    "(copy the files themselves into the checkpoint)"
+                )
+            if name in files:
+                found.append(entry)
+    return found

@@ -15,6 +15,7 @@ checksums in COMPLETE.json, or would run code when unpickled, is damaged (see `s
 from __future__ import annotations
 
 import atexit
+import fcntl
 import json
 import os
 import re
@@ -22,6 +23,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -240,27 +242,67 @@ def _lock_holder(lock: Path) -> dict[str, Any] | None:
     return holder
 
 
+_held: dict[str, int] = {}  # lock file -> the open descriptor this process holds its flock on
+
+
+def _take(lock: Path) -> bool:
+    """An exclusive flock on `lock` for this process (the kernel drops it when the process ends,
+    however it ends); False when another process holds it. Atomic, unlike reading the file and
+    writing it: two runs starting together cannot both win."""
+    for _ in range(3):
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return False
+        try:
+            same = os.fstat(fd).st_ino == os.stat(lock).st_ino  # not a file a releasing run just unlinked
+        except FileNotFoundError:
+            same = False
+        if same:
+            _held[str(lock)] = fd
+            return True
+        os.close(fd)
+    return False
+
+
+def _in_use(ckpt_dir: Path, lock: Path) -> str | None:
+    """Take `ckpt_dir`'s lock; what stops this run from taking it, or None once it holds it."""
+    here = {"pid": os.getpid(), "host": socket.gethostname()}
+    if str(lock) in _held:
+        return None
+    if not _take(lock):
+        return _in_use_message(ckpt_dir, lock, _lock_holder(lock) or {})
+    # The file may name a run that holds no flock: one on another host (flock may not reach
+    # across hosts) or one started by an older version. A live one still counts, a gone one not.
+    previous = _lock_holder(lock)
+    if previous is not None and {key: previous.get(key) for key in here} != here:
+        os.close(_held.pop(str(lock)))
+        return _in_use_message(ckpt_dir, lock, previous)
+    fd = _held[str(lock)]
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps({**here, "time": time.time()}).encode(), 0)
+    atexit.register(release_lock, ckpt_dir)
+    return None
+
+
+def _in_use_message(ckpt_dir: Path, lock: Path, holder: dict[str, Any]) -> str:
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(holder.get("time", 0))))
+    return (
+        f"checkpoint dir {ckpt_dir} is in use by another run (pid {holder.get('pid')} on {holder.get('host')}, "
+        f"since {since}); give this run its own trainer.checkpoint.dir, or remove {lock} if that run is gone"
+    )
+
+
 def acquire_lock(ckpt_dir: Path) -> None:
-    """Rank 0 takes `ckpt_dir`'s lock (pid + host) for this run; another live run holding it is a
-    ConfigError on every rank. Released by `release_lock` (and at process exit)."""
+    """Rank 0 takes `ckpt_dir`'s lock for this run (a flock, with pid + host written in the file
+    for the message); another live run holding it is a ConfigError on every rank. Released by
+    `release_lock` (and at process exit)."""
     problem = None
     if dev.is_main_process():
         ckpt_dir.mkdir(parents=True, exist_ok=True)
-        lock = ckpt_dir / LOCK
-        holder = _lock_holder(lock)
-        if holder is not None and not (
-            holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname()
-        ):
-            since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(holder.get("time", 0))))
-            problem = (
-                f"checkpoint dir {ckpt_dir} is in use by another run (pid {holder.get('pid')} on {holder.get('host')}, "
-                f"since {since}); give this run its own trainer.checkpoint.dir, or remove {lock} if that run is gone"
-            )
-        else:
-            atomic_write(
-                lock, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()})
-            )
-            atexit.register(release_lock, ckpt_dir)
+        problem = _in_use(ckpt_dir, ckpt_dir / LOCK)
     problem = dev.broadcast_object(problem)
     if problem:
         raise ConfigError(problem)
@@ -269,9 +311,10 @@ def acquire_lock(ckpt_dir: Path) -> None:
 def release_lock(ckpt_dir: Path) -> None:
     """Give `ckpt_dir`'s lock back if this process holds it."""
     lock = ckpt_dir / LOCK
-    holder = _lock_holder(lock)
-    if holder is not None and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+    fd = _held.pop(str(lock), None)
+    if fd is not None:
         lock.unlink(missing_ok=True)
+        os.close(fd)
 
 
 # ---------------------------------------------------------------------------- another world size
@@ -281,10 +324,26 @@ def to_universal(path: Path) -> Path:
     """Convert a ZeRO checkpoint to DeepSpeed's universal format (once; rank 0 converts).
     Collective: the other ranks wait for the conversion."""
     out = path.with_name(path.name + "_universal")
-    if dev.is_main_process() and not (out / COMPLETE).is_file():
+    if dev.is_main_process():
         meta = verify(path)
+        source = safety.sha256(path / COMPLETE)
+        try:  # a dir of that name that is not this checkpoint's conversion is converted over
+            done = read_meta(out).get("converted_from") == source
+        except CheckpointError:
+            done = False
+        if not done:
+            _convert(path, out, dict(meta, converted_from=source))
+    dev.barrier(slow=True)
+    return out
+
+
+def _convert(path: Path, out: Path, meta: dict[str, Any]) -> None:
+    """Run DeepSpeed's ds_to_universal on `path` into a new, empty dir (the converter unpickles
+    files it finds in its output dir: only its own may be there), then put it in place as `out`."""
+    fresh = Path(tempfile.mkdtemp(prefix=out.name + ".converting-", dir=out.parent))
+    try:
         cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(path)]
-        cmd += ["--output_folder", str(out)]
+        cmd += ["--output_folder", str(fresh)]
         if int(meta["zero_stage"]) == 2:
             cmd.append("--inject_missing_state")
         with watchdog.suspended():
@@ -295,7 +354,12 @@ def to_universal(path: Path) -> Path:
                 + result.stderr[-2000:]
             )
         for file in path.glob(RANK_FILE.format(rank=0).replace("00000", "*")):
-            shutil.copy(file, out / file.name)
-        atomic_write(out / COMPLETE, json.dumps(dict(meta, files=safety.digests(out))))
-    dev.barrier(slow=True)
-    return out
+            shutil.copy(file, fresh / file.name)
+        atomic_write(fresh / COMPLETE, json.dumps(dict(meta, files=safety.digests(fresh))))
+        if out.is_symlink() or out.is_file():
+            out.unlink()
+        elif out.exists():
+            shutil.rmtree(out)
+        fresh.rename(out)
+    finally:
+        shutil.rmtree(fresh, ignore_errors=True)
