@@ -307,10 +307,13 @@ class Engine:
     def load(self, path: str) -> None:
         """Load what `save` wrote: a checkpoint (dir) restores weights, optimizer and loop state;
         a weights file restores the weights."""
+        found = checkpoint.newest(path) if Path(path).is_dir() else None
         if not self.runtime.ready:
+            if found is not None:  # ZeRO partitions of another data-parallel size: DeepSpeed must know
+                self.runtime.load_universal = checkpoint.needs_universal(found, self.runtime.dp_size)
             self.prepare("train" if self.optimizer_spec is not None and self.loss is not None else "predict")
-        if Path(path).is_dir():
-            found = checkpoint.load_newest(checkpoint.Stateful(self.runtime, self.state, self.metrics), path)
+        if found is not None:
+            checkpoint.load(checkpoint.Stateful(self.runtime, self.state, self.metrics), found)
             self.state.info.resumed_from = str(found)
         else:
             self.runtime.load_full_state_dict(weights.load_weights(path))

@@ -246,6 +246,24 @@ def test_resuming_with_another_stage_or_optimizer_names_the_difference(tmp_path)
         engine(0, optimizer=torch.optim.SGD).fit(DATA.train, epochs=2, batch_size=32, resume=str(path))
 
 
+def test_engine_load_reads_zero_partitions_of_another_data_parallel_size(tmp_path):
+    path = store.find_resumable(trained(tmp_path / "ckpts", stage=2))
+    meta = json.loads((path / store.COMPLETE).read_text())
+    meta.update(dp_size=2, world_size=2)  # as if saved by 2 ranks: partitions that must be regrouped
+    (path / store.COMPLETE).write_text(json.dumps(meta))
+    run = engine(2)
+    run.load(str(path))  # builds DeepSpeed to read the universal format, converting first
+    loaded, saved = run.runtime.full_state_dict(), fp32_state_dict(path)
+    assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)
+    device.destroy_process_group()
+    built = engine(2)
+    built.prepare("train", 32)
+    with pytest.raises(
+        CheckpointError, match="partitions for 2 data-parallel ranks and this engine was already built"
+    ):
+        built.load(str(path))
+
+
 # ------------------------------------------------------------------------------------- 7, 11. messages
 
 

@@ -7,7 +7,14 @@
 * `preemption`  the SIGTERM flag and the ranks' agreement on it.
 """
 
-from framework.checkpoint.manager import CheckpointManager, Stateful, load, load_newest, needs_universal, save
+from framework.checkpoint.manager import (
+    CheckpointManager,
+    Stateful,
+    load,
+    needs_universal,
+    newest,
+    save,
+)
 from framework.checkpoint.store import check, complete_checkpoints, find_resumable, mark_bad, resolve, tag_for
 
 __all__ = [
@@ -17,9 +24,9 @@ __all__ = [
     "complete_checkpoints",
     "find_resumable",
     "load",
-    "load_newest",
     "mark_bad",
     "needs_universal",
+    "newest",
     "resolve",
     "save",
     "tag_for",

@@ -245,6 +245,12 @@ def _load(parts: Stateful, path: Path) -> None:
     same_layout = int(meta["dp_size"]) == runtime.dp_size and int(meta["world_size"]) == dev.world_size()
     load_path = path
     if not same_layout and int(meta["zero_stage"]) > 0:  # ZeRO-0 files are whole on every rank
+        if not runtime.load_universal:
+            raise CheckpointError(
+                f"checkpoint {path} holds ZeRO partitions for {meta['dp_size']} data-parallel ranks and this "
+                f"engine was already built for {runtime.dp_size}: load it before anything else runs "
+                "(Engine.load or fit(resume=...) first)"
+            )
         load_path = store.to_universal(path)
         store.check(load_path)
     try:
@@ -272,12 +278,11 @@ def _load(parts: Stateful, path: Path) -> None:
     state.step_calls = state.batches_in_epoch // per_call
 
 
-def load_newest(parts: Stateful, ckpt: str | Path) -> Path:
-    """Load a checkpoint, or the newest complete one in a checkpoints dir; returns which."""
+def newest(ckpt: str | Path) -> Path:
+    """The checkpoint `ckpt`, or the newest complete one in the checkpoints dir `ckpt` (verified)."""
     found = store.resolve(str(ckpt), None)
     if found is None:
         raise CheckpointError(f"no complete checkpoint in {ckpt}")
-    load(parts, found)
     return found
 
 
