@@ -43,17 +43,12 @@ def offload_optimizer(strategy: Strategy, optimizer: Any) -> Any:
         and target in (torch.optim.Adam, torch.optim.AdamW)
     ):
         return optimizer
-    try:
-        from deepspeed.ops.op_builder import CPUAdamBuilder
-
-        buildable = shutil.which("ninja") is not None and CPUAdamBuilder().is_compatible(verbose=False)
-    except Exception:  # noqa: BLE001 - any failure to probe means: not here
-        buildable = False
-    if not buildable:
+    problem = _cpu_adam_problem() if shutil.which("ninja") else "ninja is not installed"
+    if problem:
         if dev.is_main_process():
             print(
-                "offload: DeepSpeed's CPU Adam cannot be built here (needs ninja and a C++ compiler); the "
-                f"offloaded optimizer steps with torch's {target.__name__} on the CPU, which is slower",
+                f"offload: DeepSpeed's CPU Adam cannot be built here ({problem}); the offloaded "
+                f"optimizer steps with torch's {target.__name__} on the CPU, which is slower",
                 flush=True,
             )
         return optimizer
@@ -65,3 +60,18 @@ def offload_optimizer(strategy: Strategy, optimizer: Any) -> Any:
     given = {**defaults, **optimizer.keywords}  # type: ignore[union-attr]
     kwargs = {k: given[k] for k in ("lr", "betas", "eps", "weight_decay", "amsgrad") if k in given}
     return lambda params: DeepSpeedCPUAdam(params, adamw_mode=target is torch.optim.AdamW, **kwargs)
+
+
+def _cpu_adam_problem() -> str | None:
+    """Why DeepSpeed's CPU Adam op cannot be loaded (built on first use: ~1 min), or None."""
+    from framework import watchdog
+
+    try:
+        from deepspeed.ops.op_builder import CPUAdamBuilder
+
+        with watchdog.suspended():
+            CPUAdamBuilder().load(verbose=False)
+    except Exception as exc:  # noqa: BLE001 - no compiler, a failed build, ...: torch's optimizer then
+        lines = str(exc).strip().splitlines()
+        return lines[0] if lines else type(exc).__name__
+    return None

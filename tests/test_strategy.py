@@ -223,3 +223,23 @@ def test_zero3_prefetch_and_live_parameters_hold_whole_transformer_blocks():
     assert block == sum(p.numel() for p in model.blocks[0].parameters())
     sizes = auto_sizes(sum(p.numel() for p in model.parameters()), 4 * 256 * 256, block)
     assert sizes["prefetch_bucket_size"] >= block and sizes["max_live_parameters"] >= 2 * block
+
+
+def test_offload_on_a_gpu_without_ninja_keeps_the_torch_optimizer_and_says_why(monkeypatch, capsys):
+    import functools
+    import shutil
+
+    import torch
+
+    from framework import device, placement
+
+    monkeypatch.setattr(device, "cuda_available", lambda: True)  # where CPU Adam would be chosen
+    which = shutil.which
+    monkeypatch.setattr(
+        shutil, "which", lambda name, *a, **k: None if name == "ninja" else which(name, *a, **k)
+    )
+    factory = functools.partial(torch.optim.AdamW, lr=1e-3)
+    strategy = Strategy(sharding={"stage": 3, "offload_optimizer": True})
+    assert placement.offload_optimizer(strategy, factory) is factory
+    assert "CPU Adam cannot be built here (ninja is not installed)" in capsys.readouterr().out
+    assert placement.offload_optimizer(Strategy(sharding={"stage": 3}), factory) is factory  # no offload
