@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from framework.checkpoint import safety, store
-from framework.checkpoint.manager import HF_CONFIG
+from framework.checkpoint.manager import HF_CONFIG, HF_PREFIX
 from framework.errors import CheckpointError, ConfigError
 from framework.weights import load_weights, save_weights
 
@@ -66,7 +66,7 @@ def save_hf_directory(ckpt: str | Path, out: str | Path) -> Path:
     cls = getattr(transformers, str(architecture), None)
     if cls is None:
         raise ConfigError(f"{path}: transformers has no model class {architecture!r} (from its config.json)")
-    state = fp32_state_dict(path)
+    state = _hf_weights(path, fp32_state_dict(path))
     with torch.random.fork_rng(devices=[]):
         model = cls(config)
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -82,6 +82,21 @@ def save_hf_directory(ckpt: str | Path, out: str | Path) -> Path:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "generation_config.json").write_text(generation.read_text())
     return Path(out)
+
+
+def _hf_weights(path: Path, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The HF model's own weights: for a model trained inside a wrapper, those under its prefix,
+    renamed; the wrapper's other weights have no place in a `save_pretrained` dir (said once)."""
+    marker = path / HF_CONFIG / HF_PREFIX
+    prefix = marker.read_text().strip() if marker.is_file() else ""
+    if not prefix:
+        return state
+    left = [k for k in state if not k.startswith(prefix)]
+    if left:
+        print(
+            f"export --hf: {len(left)} weights outside {prefix[:-1]!r} are not exported ({', '.join(left[:3])})"
+        )
+    return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
 
 
 def _with_fp32_masters(weights: dict[str, torch.Tensor], states: dict) -> dict[str, torch.Tensor]:

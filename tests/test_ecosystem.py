@@ -205,6 +205,35 @@ def test_hf_export_round_trips_and_fine_tuning_starts_from_the_directory(tmp_pat
     assert history["loss"][0] == pytest.approx(expected, rel=1e-5)
 
 
+class Wrapped(torch.nn.Module):
+    """A user's module around a transformers model (its weights are under `lm.`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm = tiny_gpt2()
+
+    def forward(self, **batch):
+        return self.lm(**batch)
+
+
+def test_hf_export_of_a_wrapped_model_is_the_inner_models_directory(tmp_path, capsys):
+    from framework.export import fp32_state_dict, save_hf_directory
+
+    torch.manual_seed(0)
+    engine = Engine(Wrapped(), "model", functools.partial(torch.optim.AdamW, lr=1e-2))
+    engine.fit(Token(), epochs=1, batch_size=16, save_dir=str(tmp_path / "ckpts"))
+    device.destroy_process_group()
+    save_hf_directory(tmp_path / "ckpts", tmp_path / "hf")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    model = Wrapped()
+    model.load_state_dict(fp32_state_dict(tmp_path / "ckpts"), strict=False)
+    model.lm.tie_weights()
+    batch = Token(8)[0]["input_ids"][None]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(batch).logits, model(input_ids=batch).logits)
+    assert "not exported" not in capsys.readouterr().out  # nothing of the wrapper's own was left out
+
+
 # ------------------------------------------------------------------------------------- your own config dir
 
 

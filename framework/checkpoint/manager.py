@@ -128,16 +128,38 @@ def _differences(path: Path, saved: dict[str, Any], now: dict[str, Any]) -> str 
 HF_CONFIG = "hf_config"  # a Hugging Face model's config.json, for `framework.export --hf`
 
 
+HF_PREFIX = "weights_prefix"  # in HF_CONFIG: where the HF model sits in a wrapper's state dict ("lm.")
+
+
+def _is_hf_model(module: Any) -> bool:
+    config = getattr(module, "config", None)
+    return hasattr(config, "save_pretrained") and hasattr(module, "save_pretrained")
+
+
+def _hf_model_in(module: Any) -> tuple[str, Any] | None:
+    """(prefix, model): the Hugging Face model `module` is, or the one sub-module that is (a wrapper
+    around it); None when there is none, or several."""
+    if _is_hf_model(module):
+        return "", module
+    found = [(name, m) for name, m in module.named_modules() if name and _is_hf_model(m)]
+    outer = [(name, m) for name, m in found if not any(name.startswith(other + ".") for other, _ in found)]
+    return (outer[0][0] + ".", outer[0][1]) if len(outer) == 1 else None
+
+
 def save_model_config(module: Any, path: Path) -> None:
     """A Hugging Face model's config (and generation config) next to its weights, so an export
-    can write a `save_pretrained` directory."""
-    config = getattr(module, "config", None)
-    if config is not None and hasattr(config, "save_pretrained") and hasattr(module, "save_pretrained"):
-        config.architectures = [type(module).__name__]  # what save_pretrained records, for from_pretrained
-        config.save_pretrained(str(path / HF_CONFIG))
-        generation = getattr(module, "generation_config", None)
-        if generation is not None and hasattr(generation, "save_pretrained"):
-            generation.save_pretrained(str(path / HF_CONFIG))
+    can write a `save_pretrained` directory; for a wrapper, also where the model's weights are."""
+    found = _hf_model_in(module)
+    if found is None:
+        return
+    prefix, model = found
+    model.config.architectures = [type(model).__name__]  # what save_pretrained records, for from_pretrained
+    model.config.save_pretrained(str(path / HF_CONFIG))
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and hasattr(generation, "save_pretrained"):
+        generation.save_pretrained(str(path / HF_CONFIG))
+    if prefix:
+        (path / HF_CONFIG / HF_PREFIX).write_text(prefix)
 
 
 def _check_finite(parts: Stateful) -> None:
