@@ -438,9 +438,10 @@ class Squatter:
 
 
 def test_a_squatted_master_port_does_not_hang_a_run(tmp_path):
+    # One process needs no port at all; the launcher's rendezvous must not pick the squatted one.
     squatter = Squatter()
     run = run_train(
-        [*FAST, "trainer.max_steps=3"],
+        [*FAST, "trainer.max_steps=3", "trainer.devices=2"],
         tmp_path,
         timeout=120,
         env=subprocess_env(MASTER_PORT=str(squatter.port)),
