@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,7 +66,7 @@ class HydraView:
             primary = (default_dir.parent / primary).resolve()
         view = cls(primary, values.get("config_name", default_name), overrides=overrides)
         if values.get("config_dir"):
-            view.extra_dirs.append(f"file://{Path(values['config_dir']).resolve()}")
+            view.extra_dirs.append(f"file://{os.path.abspath(values['config_dir'])}")  # as Hydra does
         view.searchpath_override = next((o for o in overrides if o.split("=")[0] == "hydra.searchpath"), None)
         return view
 
@@ -90,22 +91,29 @@ class HydraView:
         return False
 
     def _search_overrides(self) -> list[str]:
-        """One hydra.searchpath override holding the --config-dir entries and the user's own."""
-        entries = list(self.extra_dirs)
-        if self.searchpath_override:
-            given = self.searchpath_override.split("=", 1)[1].strip().strip("[]")
-            entries += [e.strip().strip("'\"") for e in given.split(",") if e.strip()]
-        return [f"hydra.searchpath=[{','.join(entries)}]"] if entries else []
+        """The user's hydra.searchpath override: the loader applies it itself, as in a run."""
+        return [self.searchpath_override] if self.searchpath_override else []
 
     @contextlib.contextmanager
     def _loader(self) -> Iterator[Any]:
-        from hydra import initialize_config_dir
+        """Hydra's config loader over the search path Hydra's `_run_hydra` builds: the app's dir,
+        then each --config-dir as a "command-line" entry just before the ConfigStore's. (Given as a
+        hydra.searchpath override instead, a --config-dir could not hold the primary config: the
+        loader reads that override from the primary config it is looking for.)"""
+        from hydra import version
+        from hydra._internal.hydra import Hydra
+        from hydra._internal.utils import create_config_search_path
+        from hydra.core.config_search_path import SearchPathQuery
         from hydra.core.global_hydra import GlobalHydra
 
+        version.setbase("1.3")
+        search_path = create_config_search_path(str(self.primary_dir))
+        for entry in self.extra_dirs:
+            search_path.prepend("command-line", entry, anchor=SearchPathQuery(provider="schema"))
         GlobalHydra.instance().clear()
         try:
-            with initialize_config_dir(config_dir=str(self.primary_dir), version_base="1.3"):
-                yield GlobalHydra.instance().config_loader()
+            Hydra.create_main_hydra2(task_name="app", config_search_path=search_path)
+            yield GlobalHydra.instance().config_loader()
         finally:
             GlobalHydra.instance().clear()
 

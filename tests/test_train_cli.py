@@ -60,6 +60,22 @@ def test_typo_key_names_the_key(tmp_path):
     )
 
 
+def test_a_primary_config_in_ones_own_config_dir_passes_the_prechecks(tmp_path):
+    """`-cd DIR -cn NAME`: the pre-checks find the primary config where Hydra does, so both
+    forms of a group choice work and a typo'd key is named in one line."""
+    conf = tmp_path / "conf"
+    (conf / "model").mkdir(parents=True)
+    (conf / "model" / "tiny.yaml").write_text("_target_: framework.models.MLP\nhidden: [16]\n")
+    (conf / "mine.yaml").write_text("defaults:\n  - train\n  - override /model: tiny\n  - _self_\n")
+    own = ["-cd", str(conf), "-cn", "mine", "+dry_run=true"]
+    run = run_train([*own, "+strategy=zero3"], tmp_path / "a")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "MLP: 1,210 parameters" in run.stdout and '"stage": 3' in run.stdout
+    typo = run_train([*own, "model.hiden=[8]"], tmp_path / "b")
+    fails_cleanly(typo, "unknown config key 'model.hiden'; did you mean 'model.hidden'?")
+    assert len(typo.stderr.strip().splitlines()) == 1, typo.stderr
+
+
 def test_uneven_global_batch_says_which_numbers(tmp_path):
     run = run_train(["trainer.batch_size=100", "strategy.gradient_merge.k_steps=8"], tmp_path)
     fails_cleanly(
