@@ -119,9 +119,13 @@ class HydraView:
 
     def group_options(self, group: str) -> list[str] | None:
         """The options of `group` Hydra would find, or None when it is not a group there."""
-        if not self.customised:
-            folder = self.primary_dir / group
-            return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else None
+        if not self.customised:  # the app's files and the ConfigStore's entries, as Hydra lists them
+            from hydra.core.config_store import ConfigStore
+
+            found = {p.stem for p in (self.primary_dir / group).glob("*.yaml")}
+            with contextlib.suppress(OSError):  # not a group of the store
+                found |= {n[:-5] for n in ConfigStore.instance().list(group) if n.endswith(".yaml")}
+            return sorted(found) or None
         try:
             with self._loader() as loader:
                 options = loader.get_group_options(

@@ -74,6 +74,20 @@ def test_prepare_argv_rewrites_only_our_groups():
     assert normalize(["+model=cnn"], set(GROUPS)) == ["model=cnn"]
 
 
+def test_an_option_in_the_config_store_passes_the_prechecks():
+    """Hydra accepts an option registered in its ConfigStore, so the pre-checks do too."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    store.store(group="model", name="stored_mlp", node={"_target_": "framework.models.MLP", "hidden": [8]})
+    try:
+        prepare_argv([str(CONF.parent / "train.py"), "model=stored_mlp"])
+    finally:
+        del store.repo["model"]["stored_mlp.yaml"]
+    with pytest.raises(SystemExit):  # no longer stored: refused, so the check above did look
+        prepare_argv([str(CONF.parent / "train.py"), "model=stored_mlp"])
+
+
 @pytest.mark.parametrize("name", options("strategy"))
 def test_every_strategy_option_builds_a_strategy(compose, name):
     assert isinstance(Strategy.from_config(compose([f"strategy={name}"]).strategy), Strategy)
