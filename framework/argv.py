@@ -2,9 +2,10 @@
 
 `HydraView` reads Hydra's own flags (`--config-path/-cp`, `--config-name/-cn`, `--config-dir/-cd`)
 and `hydra.searchpath=[...]`, and answers from Hydra's config loader over exactly that search
-path: which options a group has, which groups the primary config's defaults list holds, what a
-composition gives. So a user's own config dir, primary config and ConfigStore entries are first
-class: a pre-check never refuses what Hydra would accept.
+path: which options a group has, which groups the primary config's defaults list holds. So a
+user's own config dir, primary config and ConfigStore entries are first class: a pre-check never
+refuses what Hydra would accept. Keys of the untyped groups (model, optimizer, ...) are checked
+only where Hydra's own composition of them fails (`check_untyped_keys`): a run composes once.
 """
 
 from __future__ import annotations
@@ -150,18 +151,6 @@ class HydraView:
             return set()
         return {d.override_key.split("@")[0] for d in defaults.defaults if getattr(d, "override_key", None)}
 
-    def compose(self, overrides: list[str]) -> Any:
-        """What Hydra composes from these overrides (plus the search path), or None if it cannot."""
-        from hydra import compose
-
-        try:
-            with self._loader():
-                return compose(
-                    config_name=self.config_name, overrides=[*self._search_overrides(), *overrides]
-                )
-        except Exception:  # noqa: BLE001 - Hydra will report it, with its own message
-            return None
-
 
 def normalize(overrides: list[str], default_groups: set[str]) -> list[str]:
     """`+group=x` and `group=x` both select an option of a group in the defaults list: Hydra
@@ -191,30 +180,33 @@ def check_group_choice(item: str, view: HydraView) -> None:
             raise ConfigError(f"unknown {key} '{choice}'; options: {', '.join(options)}")
 
 
-def check_untyped_keys(view: HydraView) -> None:
-    """Reject `group.key=value` overrides of the untyped groups (model, optimizer, data.dataset,
-    ...) whose key the composed config does not have, naming the nearest key. Composes exactly
-    what Hydra will (the chosen options, the user's config dir and primary config) once, only
-    when such an override is present."""
-    targets = []
-    for item in view.overrides:
-        if item.startswith(("+", "~")):
-            continue
+def untyped_overrides(overrides: list[str]) -> list[str]:
+    """The `group.key=value` overrides of untyped groups (model, optimizer, data.dataset, ...):
+    no schema knows their keys, so Hydra's composition is where a wrong one fails."""
+    found = []
+    for item in overrides:
         key, sep, _ = item.partition("=")
         parts = key.split(".")
-        if not sep or len(parts) < 2 or key.startswith("hydra") or "/" in key:
+        if item.startswith(("+", "~")) or not sep or len(parts) < 2 or key.startswith("hydra") or "/" in key:
             continue
-        if parts[0] in _TYPED and schema_field(parts) is not None:
-            continue  # typed: check_override's job
-        targets.append(parts)
-    if not targets:
-        return
-    choices = [item for item in view.overrides if "=" in item and "." not in item.split("=")[0].lstrip("+")]
-    choices = [c if "," not in c or c.split("=", 1)[1].startswith("[") else c.split(",")[0] for c in choices]
-    cfg = view.compose([c for c in choices if "(" not in c and not c.startswith("hydra")])
-    if cfg is not None:
-        for parts in targets:
-            _check_key_path(cfg, parts)
+        if parts[0] in _TYPED and _typed(parts):
+            continue  # check_override's job
+        found.append(item)
+    return found
+
+
+def _typed(parts: list[str]) -> bool:
+    try:
+        return schema_field(parts) is not None
+    except ConfigError:  # a typo in the typed part
+        return True
+
+
+def check_untyped_keys(cfg: Any, overrides: list[str]) -> None:
+    """Reject an override of `untyped_overrides` whose key the composed `cfg` does not have,
+    naming the nearest key (a ConfigError)."""
+    for item in untyped_overrides(overrides):
+        _check_key_path(cfg, item.partition("=")[0].split("."))
 
 
 def _check_key_path(cfg: Any, parts: list[str]) -> None:

@@ -16,14 +16,14 @@ import signal
 import sys
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from framework import device as dev
-from framework.argv import HydraView, check_group_choice, check_untyped_keys, normalize
+from framework.argv import HydraView, check_group_choice, check_untyped_keys, normalize, untyped_overrides
 from framework.build import checkpoint_dir, train, validate
 from framework.checkpoint import preemption
 from framework.checkpoint.store import complete_checkpoints, read_meta
@@ -62,15 +62,57 @@ def prepare_argv(argv: list[str] | None = None, conf_dir: Path | None = None) ->
         for item in view.overrides:
             check_override(item)
             check_group_choice(item, view)
-        check_untyped_keys(view)
     except ConfigError as exc:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"Error: {exc}", file=sys.stderr)
-        sys.exit(1)
+        _exit_config_error(exc)
+    if untyped_overrides(view.overrides):
+        _name_unknown_keys()
     if dev.launched() and int(os.environ.get("RANK", "0")) > 0:
         argv.extend(["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout"])
+
+
+def _exit_config_error(exc: ConfigError) -> NoReturn:
+    """End before the run starts: `Error: ...` in one line (from rank 0), exit 1."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        raise exc
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"Error: {exc}", file=sys.stderr)
+    sys.exit(1)
+
+
+def _name_unknown_keys() -> None:
+    """Hydra composes with every node closed (struct mode), so `model.hiden=3` fails inside its
+    own composition, in six lines. When a composition fails, the overrides of untyped groups are
+    checked on the config composed without them (on this error path only: a run composes once),
+    and a key that is not there ends the run in one line naming the nearest key. Hydra 1.3's
+    loader method is wrapped for this process only when it has the expected signature."""
+    import inspect
+
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.errors import ConfigCompositionException
+
+    load = ConfigLoaderImpl.load_configuration
+    params = ["self", "config_name", "overrides", "run_mode", "from_shell", "validate_sweep_overrides"]
+    if getattr(load, "names_unknown_keys", False) or list(inspect.signature(load).parameters) != params:
+        return
+
+    def load_configuration(self: Any, config_name: Any, overrides: list[str], *args: Any, **kw: Any) -> Any:
+        try:
+            return load(self, config_name, overrides, *args, **kw)
+        except ConfigCompositionException as failure:
+            untyped = untyped_overrides(overrides)
+            if not untyped:
+                raise
+            try:
+                cfg = load(self, config_name, [o for o in overrides if o not in untyped], *args, **kw)
+                check_untyped_keys(cfg, untyped)
+            except ConfigError as exc:
+                _exit_config_error(exc)
+            except Exception:  # noqa: BLE001 - the failure is elsewhere: Hydra says what
+                pass
+            raise failure
+
+    load_configuration.names_unknown_keys = True  # type: ignore[attr-defined]
+    ConfigLoaderImpl.load_configuration = load_configuration  # type: ignore[method-assign,assignment]
 
 
 def _skip_mode_probe() -> None:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import yaml
 
-from .conftest import CONF, FAST, fails_cleanly, final_metrics, run_train
+from .conftest import CONF, FAST, ROOT, fails_cleanly, final_metrics, run_cmd, run_train
 
 # Every strategy that runs on one process (the pipeline needs 2: tests/test_steps.py runs it).
 STRATEGIES = sorted(p.stem for p in (CONF / "strategy").glob("*.yaml") if p.stem != "pipeline")
@@ -74,6 +75,33 @@ def test_a_primary_config_in_ones_own_config_dir_passes_the_prechecks(tmp_path):
     typo = run_train([*own, "model.hiden=[8]"], tmp_path / "b")
     fails_cleanly(typo, "unknown config key 'model.hiden'; did you mean 'model.hidden'?")
     assert len(typo.stderr.strip().splitlines()) == 1, typo.stderr
+
+
+# Runs train.py counting Hydra's compositions (a wrapper that keeps the loader's signature).
+COUNT_COMPOSITIONS = """
+import atexit, functools, runpy, sys
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
+load, calls = ConfigLoaderImpl.load_configuration, []
+@functools.wraps(load)
+def counted(*args, **kwargs):
+    calls.append(1)
+    return load(*args, **kwargs)
+ConfigLoaderImpl.load_configuration = counted
+atexit.register(lambda: print(f"compositions: {len(calls)}"))
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_overriding_an_untyped_key_composes_the_config_once(tmp_path):
+    """`optimizer.lr=...` (the commonest override) is checked where Hydra composes, not by a
+    second composition before it; a typo in it is still named in one line."""
+    count = [sys.executable, "-c", COUNT_COMPOSITIONS, str(ROOT / "train.py"), "+dry_run=true"]
+    run = run_cmd([*count, "optimizer.lr=0.05", f"hydra.run.dir={tmp_path / 'a'}"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "compositions: 1" in run.stdout, run.stdout[-2000:]
+    typo = run_cmd([*count, "optimizer.lrr=0.05", f"hydra.run.dir={tmp_path / 'b'}"])
+    fails_cleanly(typo, "unknown config key 'optimizer.lrr'; did you mean 'optimizer.lr'?")
 
 
 def test_uneven_global_batch_says_which_numbers(tmp_path):
