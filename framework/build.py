@@ -28,8 +28,6 @@ from framework import device as dev
 from framework.callbacks import Callback
 from framework.checkpoint import preemption
 from framework.config import check_schema
-from framework.cost import param_counts
-from framework.ds_config import deepspeed_config
 from framework.engine import Engine
 from framework.errors import ConfigError
 from framework.launch import check_launched_devices
@@ -221,11 +219,7 @@ def print_plan(engine: Engine) -> None:
             f"DeepSpeed's estimator (fp16 mixed precision): device {_size(est['device_bytes'])}, "
             f"cpu {_size(est['cpu_bytes'])}"
         )
-    assert runtime.layout is not None
-    numel, largest = param_counts(engine.module)
-    print(
-        "DeepSpeed config: " + json.dumps(deepspeed_config(runtime.strategy, runtime.layout, numel, largest))
-    )
+    print("DeepSpeed config: " + json.dumps(runtime.deepspeed_config_for(engine.module)))
 
 
 def _callbacks(cfg: DictConfig, out: Path, context: dict[str, Any]) -> list[Callback]:

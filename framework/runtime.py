@@ -141,6 +141,11 @@ class Runtime:
         """True once `initialize` ran."""
         return self.deepspeed_engine is not None
 
+    def deepspeed_config_for(self, module: nn.Module) -> dict[str, Any]:
+        """The config `initialize` gives DeepSpeed for `module` (what `+dry_run=true` prints)."""
+        sizes = (*param_counts(module), self.load_universal, dev.cuda_available(), largest_block(module))
+        return deepspeed_config(self.strategy, self._layout_for_build(), *sizes)
+
     def initialize(
         self,
         module: nn.Module,
@@ -154,9 +159,7 @@ class Runtime:
         self.start()
         dev.quiet_deepspeed()
         self.module = module
-        numel, largest = param_counts(module)
-        sizes = (numel, largest, self.load_universal, dev.cuda_available(), largest_block(module))
-        self.config = deepspeed_config(self.strategy, self._layout_for_build(), *sizes)
+        self.config = self.deepspeed_config_for(module)
         optimizer = offload_optimizer(self.strategy, optimizer)
         if self.strategy.recompute.enable and not self.strategy.uses_pipeline:
             recompute_lib.enable(module)

@@ -104,6 +104,26 @@ def test_overriding_an_untyped_key_composes_the_config_once(tmp_path):
     fails_cleanly(typo, "unknown config key 'optimizer.lrr'; did you mean 'optimizer.lr'?")
 
 
+def test_the_dry_run_prints_the_deepspeed_config_the_runtime_passes(compose, capsys, tmp_path):
+    """GPT at ZeRO-3: the printed config has the sizes DeepSpeed gets (its prefetch bucket is
+    sized by the largest transformer block, not the largest tensor)."""
+    from framework import device
+    from framework.build import build_engine, build_strategy, train
+    from framework.runtime import Runtime
+
+    overrides = ["model=gpt", "data=chars", "loss=lm", "metrics=none", "+strategy=zero3"]
+    overrides += ["data.dataset.max_chars=20000"]
+    train(compose([*overrides, "+dry_run=true"]), str(tmp_path))
+    printed = json.loads(capsys.readouterr().out.split("DeepSpeed config: ")[1].splitlines()[0])
+    cfg = compose(overrides)
+    runtime = Runtime(build_strategy(cfg))
+    try:
+        build_engine(cfg, runtime, callbacks=[]).prepare("train", int(cfg.trainer.batch_size))
+        assert printed == runtime.config
+    finally:
+        device.destroy_process_group()
+
+
 def test_uneven_global_batch_says_which_numbers(tmp_path):
     run = run_train(["trainer.batch_size=100", "strategy.gradient_merge.k_steps=8"], tmp_path)
     fails_cleanly(
