@@ -113,9 +113,6 @@ class Runtime:
 
     def layout_for_init(self) -> BatchLayout:
         """The layout to build DeepSpeed's configs with now (the fixed one, or a provisional one)."""
-        return self._layout_for_build()
-
-    def _layout_for_build(self) -> BatchLayout:
         if self.layout is None:
             smallest = self.dp_size * self.strategy.accumulation_steps
             self.layout, self._provisional = batch_layout(self.strategy, smallest, self.world_size), True
@@ -131,9 +128,7 @@ class Runtime:
 
         self.start()
         return deepspeed.zero.Init(
-            config_dict_or_path=zero_init_config(
-                self.strategy, self._layout_for_build(), dev.cuda_available()
-            )
+            config_dict_or_path=zero_init_config(self.strategy, self.layout_for_init(), dev.cuda_available())
         )
 
     @property
@@ -144,7 +139,7 @@ class Runtime:
     def deepspeed_config_for(self, module: nn.Module) -> dict[str, Any]:
         """The config `initialize` gives DeepSpeed for `module` (what `+dry_run=true` prints)."""
         sizes = (*param_counts(module), self.load_universal, dev.cuda_available(), largest_block(module))
-        return deepspeed_config(self.strategy, self._layout_for_build(), *sizes)
+        return deepspeed_config(self.strategy, self.layout_for_init(), *sizes)
 
     def initialize(
         self,
