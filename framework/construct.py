@@ -14,7 +14,9 @@ Under ZeRO-3 a model can be built two ways (`strategy.sharding.init`):
 
 `auto` (the default) builds whole when the model fits comfortably (its fp32 weights, for every
 process on the machine, in half the free host memory, and on a GPU in half its free memory),
-partitioned otherwise. The choice is one line of the run's output. The model's class is imported
+partitioned otherwise. Its size comes from a build on the meta device; a model whose `__init__`
+cannot run there (it reads a tensor's value, e.g. timm's `x.item()` drop-path rates) is built
+whole. The choice is one line of the run's output. The model's class is imported
 before `zero.Init` is entered (transformers' first import inside it fails).
 """
 
@@ -156,19 +158,40 @@ def build_model(node: Any, runtime: Runtime) -> Any:
     if strategy.sharding.stage != 3 or strategy.uses_pipeline:
         return instantiate(node)
     mode = strategy.sharding.init
-    parameters = count_parameters(node) if mode == "auto" else 0
-    whole = mode == "whole" or (mode == "auto" and fits_whole(parameters))
-    if dev.is_main_process():
-        size = f"{parameters / 1e6:,.1f} M parameters, " if parameters else ""
-        how = (
-            "built whole, then partitioned by DeepSpeed"
-            if whole
-            else "built partitioned inside deepspeed.zero.Init"
+    if mode != "auto":
+        whole = mode == "whole"
+        _announce(whole, mode, "asked for")
+        return instantiate(node) if whole else _partitioned(node, runtime, target)
+    try:
+        parameters = count_parameters(node)
+    except Exception as exc:  # noqa: BLE001 - e.g. .item() in __init__; a real error recurs below
+        model = instantiate(node)  # what auto does with a model that fits: built whole
+        parameters = sum(p.numel() for p in model.parameters())
+        _announce(
+            True, mode, f"its size could not be counted on the meta device: {_first_line(exc)}", parameters
         )
-        why = (
-            "fits in one rank's memory"
-            if whole and mode == "auto"
-            else ("too large for one rank" if mode == "auto" else "asked for")
-        )
-        print(f"model: {size}{how} (ZeRO-3, strategy.sharding.init={mode}: {why})", flush=True)
+        return model
+    whole = fits_whole(parameters)
+    _announce(whole, mode, "fits in one rank's memory" if whole else "too large for one rank", parameters)
     return instantiate(node) if whole else _partitioned(node, runtime, target)
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of what went wrong at the bottom (Hydra wraps it in its own exception)."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+def _announce(whole: bool, mode: str, why: str, parameters: int = 0) -> None:
+    """The one line saying how the model is built."""
+    if not dev.is_main_process():
+        return
+    count = f"{parameters / 1e6:,.1f} M parameters, " if parameters else ""
+    how = (
+        "built whole, then partitioned by DeepSpeed"
+        if whole
+        else "built partitioned inside deepspeed.zero.Init"
+    )
+    print(f"model: {count}{how} (ZeRO-3, strategy.sharding.init={mode}: {why})", flush=True)

@@ -122,6 +122,15 @@ class ModulesLoopInit(torch.nn.Module):
         return self.head(torch.relu(self.conv(x.reshape(-1, 1, 8, 8))).flatten(1))
 
 
+class TimmStyle(ModulesLoopInit):
+    """timm's drop-path pattern: __init__ reads tensor values (impossible on the meta device)."""
+
+    def __init__(self, depth: int = 3):
+        rates = [x.item() for x in torch.linspace(0, 0.1, depth)]
+        super().__init__()
+        self.rates = rates
+
+
 def initial_weights(node, stage: int, init: str = "auto") -> dict:
     runtime = Runtime(Strategy(sharding={"stage": stage, "init": init}))
     runtime.fix_layout(8)
@@ -136,12 +145,12 @@ def initial_weights(node, stage: int, init: str = "auto") -> dict:
     return weights
 
 
-@pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama", "modules_loop"])
+@pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama", "ModulesLoopInit", "TimmStyle"])
 def test_zero3_starts_from_the_same_weights_as_zero0(name):
     node = (
         OmegaConf.load(CONF / "model" / f"{name}.yaml")
-        if name != "modules_loop"
-        else OmegaConf.create({"_target_": "tests.test_ecosystem.ModulesLoopInit"})
+        if name.startswith("hf_")
+        else OmegaConf.create({"_target_": f"tests.test_ecosystem.{name}"})
     )
     zero0, zero3 = initial_weights(node, 0), initial_weights(node, 3)
     assert zero0.keys() == zero3.keys()
