@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from framework.errors import ConfigError
+
 
 class ModelLoss:
     """`loss=model`: use the loss the model computes itself from `labels=` (Hugging Face style),
@@ -50,9 +52,18 @@ def call_model(
 ) -> tuple[Any, Any]:
     """(outputs, labels) of one forward pass; with `own_loss` the labels are passed as `labels=`."""
     args, kwargs, labels = split(batch, label_key)
-    if own_loss and labels is not None:
-        kwargs = {**kwargs, "labels": labels}
-    return model(*args, **kwargs), labels
+    if not own_loss or labels is None:
+        return model(*args, **kwargs), labels
+    try:
+        return model(*args, **kwargs, labels=labels), labels
+    except TypeError as exc:
+        if "unexpected keyword argument 'labels'" not in str(exc):
+            raise
+        raise ConfigError(
+            f"loss=model needs a model that takes labels= and returns its loss (a Hugging Face model), "
+            f"but {str(exc).split('(')[0]} does not: configure a loss function instead (e.g. "
+            "loss=cross_entropy, or loss=lm for next-token logits)"
+        ) from None
 
 
 def _fields(outputs: Any) -> Mapping[str, Any] | None:
@@ -70,9 +81,9 @@ def logits_of(outputs: Any, output_key: str | None = None) -> Any:
     if fields is not None:
         if output_key is not None:
             if output_key not in fields:
-                raise KeyError(
-                    f"the model's outputs have no '{output_key}' (they have: {', '.join(map(str, fields))}); "
-                    "set trainer.output_key to one of those"
+                raise ConfigError(
+                    f"trainer.output_key={output_key}: the model's {type(outputs).__name__} has no such field; "
+                    f"use one of: {', '.join(map(str, fields))}"
                 )
             return fields[output_key]
         if "logits" in fields:
@@ -95,9 +106,10 @@ def model_loss(outputs: Any) -> torch.Tensor:
     ):
         loss = outputs[0] if outputs[0].dim() == 0 else None
     if loss is None:
-        raise TypeError(
-            f"loss=model, but the model returned {type(outputs).__name__} without a loss: pass labels the "
-            "model uses (data.label_key) or configure a loss function"
+        raise ConfigError(
+            f"loss=model, but the model returned a {type(outputs).__name__} without a loss: it needs a model "
+            "that computes its loss from labels= (a Hugging Face model) and labels in the batch "
+            "(data.label_key), or configure a loss function (e.g. loss=cross_entropy)"
         )
     return loss
 

@@ -98,6 +98,19 @@ def test_training_needs_loss_and_optimizer():
         engine.prepare("validate")
 
 
+class TakesLabels(MLP):
+    """Accepts labels= but computes no loss of its own."""
+
+    def forward(self, x, labels=None):
+        return super().forward(x)
+
+
+def test_the_models_own_loss_from_a_model_without_one_is_a_config_error():
+    engine = Engine(TakesLabels(hidden=[8]), "model", functools.partial(torch.optim.SGD, lr=0.1))
+    with pytest.raises(ConfigError, match="loss=model, but the model returned a Tensor without a loss"):
+        engine.fit(synthetic(num_samples=64).train, epochs=1, batch_size=32, max_steps=1)
+
+
 def test_bf16_strategy_trains_in_bf16():
     splits = synthetic(num_samples=256)
     torch.manual_seed(0)

@@ -57,6 +57,14 @@ ERRORS = {
         ["model._target_=framework.models.Nope"],
         ["model._target_=framework.models.Nope", "cannot be imported"],
     ),
+    "output key the model lacks": (
+        ["model=hf_gpt2", "data=chars", "loss=lm", "trainer.output_key=nope"],
+        ["trainer.output_key=nope", "has no such field", "use one of: logits"],
+    ),
+    "loss=model, model without labels=": (
+        ["loss=model"],
+        ["loss=model needs a model that takes labels=", "MLP.forward does not", "loss=cross_entropy"],
+    ),
     "loss becomes NaN": (
         ["optimizer=sgd", "optimizer.lr=1e6", "trainer.epochs=1"],
         ["loss became nan", "at step"],
