@@ -32,6 +32,7 @@ class Host(Protocol):
     """What the loops use of the object that runs them (the Engine)."""
 
     runtime: Runtime
+    module: torch.nn.Module
     state: LoopState
     metrics: Metrics
     callbacks: CallbackList

@@ -14,6 +14,8 @@ import torch
 
 from framework import device as dev
 
+IGNORE_INDEX = -100  # a label that does not count (Hugging Face's, and torch's cross-entropy's)
+
 
 class Accuracy(torch.nn.Module):
     """Top-1 accuracy over everything seen since the last `reset()`, summed over ranks at
@@ -22,6 +24,7 @@ class Accuracy(torch.nn.Module):
     goes in and out the same way (`metric_state`, `load_state_dict`)."""
 
     validate_args = False
+    ignore_index = IGNORE_INDEX  # skipped here, on the device (`MetricSet.update` need not drop them)
     correct: torch.Tensor
     total: torch.Tensor
 
@@ -37,10 +40,12 @@ class Accuracy(torch.nn.Module):
         return {"correct": self.correct, "total": self.total}
 
     def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
-        """Count the samples whose highest logit is their label (no host sync)."""
+        """Count the samples whose highest logit is their label, those labelled `IGNORE_INDEX`
+        left out (no host sync)."""
         predicted = logits.argmax(dim=-1) if logits.dim() > labels.dim() else logits
-        self.correct += (predicted == labels).sum()
-        self.total += labels.numel()
+        counted = labels != IGNORE_INDEX
+        self.correct += ((predicted == labels) & counted).sum()
+        self.total += counted.sum()
 
     def compute(self) -> torch.Tensor:
         """Correct / total over every rank."""
@@ -98,12 +103,26 @@ class MetricSet:
         for metric in self.metrics.values():
             metric.to(device)
 
-    def update(self, outputs: Any, labels: Any) -> None:
-        """Accumulate one batch. Argument checks (a host sync on GPU) run on the first batch only."""
+    def update(self, outputs: Any, labels: Any, shifted: bool = False) -> None:
+        """Accumulate one batch: what every metric sees is decided here. `shifted`: the logits at
+        position t predict labels[t + 1] (a causal LM given `labels=`, as Hugging Face's own loss
+        reads them). Positions labelled `IGNORE_INDEX` never count: a metric whose `ignore_index`
+        is it skips them itself, any other gets only the counted positions (on a GPU, selecting
+        them waits for the device). Argument checks (a host sync on GPU) run on the first batch only."""
         if labels is None or not isinstance(outputs, torch.Tensor) or not self.metrics:
             return
+        logits = outputs.detach().float()
+        if shifted and isinstance(labels, torch.Tensor) and labels.dim() >= 2 and logits.dim() > labels.dim():
+            logits, labels = logits[:, :-1], labels[:, 1:]
+        counted: tuple[torch.Tensor, Any] | None = None
         for metric in self.metrics.values():
-            metric.update(outputs.detach().float(), labels)
+            if getattr(metric, "ignore_index", None) == IGNORE_INDEX or not _integer(labels):
+                metric.update(logits, labels)
+            else:
+                if counted is None:
+                    keep = labels != IGNORE_INDEX
+                    counted = (logits[keep], labels[keep])
+                metric.update(*counted)
             if getattr(metric, "validate_args", False):
                 metric.validate_args = False
         self.updates += 1
@@ -142,6 +161,10 @@ class MetricSet:
                 if device is not None:
                     metric.to(device)
         self.updates = int(state["updates"])
+
+
+def _integer(labels: Any) -> bool:
+    return isinstance(labels, torch.Tensor) and not labels.is_floating_point() and labels.dtype != torch.bool
 
 
 def _to_cpu(value: Any) -> Any:

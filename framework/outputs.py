@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -64,6 +65,28 @@ def call_model(
             f"but {str(exc).split('(')[0]} does not: configure a loss function instead (e.g. "
             "loss=cross_entropy, or loss=lm for next-token logits)"
         ) from None
+
+
+_CLASS_FACTS: dict[tuple[str, type], bool] = {}  # (question, model class) -> answer
+
+
+def _of_class(question: str, cls: type, answer: Callable[[type], bool]) -> bool:
+    if (question, cls) not in _CLASS_FACTS:
+        _CLASS_FACTS[question, cls] = answer(cls)
+    return _CLASS_FACTS[question, cls]
+
+
+def _is_causal_lm(cls: type) -> bool:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    return any(base.__name__ in names for base in cls.__mro__)
+
+
+def predicts_next_token(module: Any) -> bool:
+    """True for a Hugging Face causal LM: given `labels=`, its logits at position t are scored
+    against labels[t + 1] (it shifts them itself)."""
+    return "transformers" in sys.modules and _of_class("causal_lm", type(module), _is_causal_lm)
 
 
 def _fields(outputs: Any) -> Mapping[str, Any] | None:

@@ -10,7 +10,7 @@
 A training step returns a loss tensor (the framework does backward + optimizer step), a dict
 of metrics (the step drove `engine.backward` / `engine.step` itself), or None (nothing to log).
 Steps get the `Engine` as their first argument; this module only relies on what a step may use
-of it (`model`, `loss`, `metrics`, `label_key`, `output_key`, `backward_and_step`).
+of it (`model`, `module`, `loss`, `metrics`, `label_key`, `output_key`, `backward_and_step`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,15 @@ from typing import Any
 import torch
 
 from framework.errors import ConfigError
-from framework.outputs import batch_size_of, call_model, is_model_loss, logits_of, model_loss, take
+from framework.outputs import (
+    batch_size_of,
+    call_model,
+    is_model_loss,
+    logits_of,
+    model_loss,
+    predicts_next_token,
+    take,
+)
 
 ITERATOR_ARG = "dataloader_iter"
 
@@ -100,12 +108,15 @@ def _cannot_read(what: str, fn: Any, outputs: Any, logits: Any, labels: Any, exc
 
 
 def update_metrics(engine: Any, metrics: Any, outputs: Any, labels: Any) -> None:
-    """Accumulate a batch's outputs into `metrics` (what the loss reads from them)."""
+    """Accumulate a batch's outputs into `metrics` (what the loss reads from them). With the
+    model's own loss, a causal LM's logits are scored against the next position's label, as
+    that loss does (`MetricSet.update` aligns them and leaves out ignored labels)."""
     if labels is None or not len(metrics):
         return
     logits = logits_of(outputs, engine.output_key)
+    shifted = is_model_loss(engine.loss) and predicts_next_token(engine.module)
     try:
-        metrics.update(logits, labels)
+        metrics.update(logits, labels, shifted)
     except (TypeError, AttributeError, ValueError, RuntimeError, IndexError) as exc:
         raise ConfigError(
             _cannot_read("a metric", type(metrics.metrics[next(iter(metrics))]), outputs, logits, labels, exc)

@@ -101,6 +101,27 @@ def test_a_loss_that_cannot_read_the_outputs_says_so():
         engine.fit(data.train, epochs=1, batch_size=8, max_steps=1)
 
 
+def test_accuracy_with_the_models_own_loss_scores_the_next_position_and_skips_ignored_labels():
+    """A causal LM given labels= scores logits[t] against labels[t + 1]; label -100 never counts,
+    for the framework's metric and for one that does not skip it itself."""
+    from torchmetrics.classification import MulticlassAccuracy
+
+    from framework.metrics import Accuracy
+
+    torch.manual_seed(0)
+    model, rows = tiny_gpt2(), Token(32)
+    with torch.no_grad():
+        predicted = model(rows.ids).logits.argmax(-1)
+    labels = torch.full_like(rows.ids, -100)
+    labels[:, 1:] = predicted[:, :-1]  # what the model predicts for the next position
+    labels[:, 5] = -100  # ignored (as a label it would be wrong)
+    labels[:, 9] = (predicted[:, 8] + 1) % 128  # wrong and counted: 1 of the 14 counted per row
+    data = [{"input_ids": i, "labels": y} for i, y in zip(rows.ids, labels)]
+    metrics = {"accuracy": Accuracy(), "torchmetrics": MulticlassAccuracy(num_classes=128, average="micro")}
+    result = Engine(model, "model", metrics=metrics).evaluate(data, batch_size=16)
+    assert result["accuracy"] == pytest.approx(13 / 14) and result["torchmetrics"] == pytest.approx(13 / 14)
+
+
 # ------------------------------------------------------------------------------------- ZeRO-3 construction
 
 
