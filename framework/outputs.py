@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -49,10 +50,17 @@ def split(batch: Any, label_key: str = "labels") -> tuple[tuple[Any, ...], dict[
 
 
 def call_model(
-    model: Callable[..., Any], batch: Any, label_key: str = "labels", own_loss: bool = False
+    model: Callable[..., Any],
+    batch: Any,
+    label_key: str = "labels",
+    own_loss: bool = False,
+    no_cache: bool = False,
 ) -> tuple[Any, Any]:
-    """(outputs, labels) of one forward pass; with `own_loss` the labels are passed as `labels=`."""
+    """(outputs, labels) of one forward pass; with `own_loss` the labels are passed as `labels=`,
+    with `no_cache` `use_cache=False` unless the batch sets it (see `takes_use_cache`)."""
     args, kwargs, labels = split(batch, label_key)
+    if no_cache and "use_cache" not in kwargs:
+        kwargs = {**kwargs, "use_cache": False}
     if not own_loss or labels is None:
         return model(*args, **kwargs), labels
     try:
@@ -74,6 +82,19 @@ def _of_class(question: str, cls: type, answer: Callable[[type], bool]) -> bool:
     if (question, cls) not in _CLASS_FACTS:
         _CLASS_FACTS[question, cls] = answer(cls)
     return _CLASS_FACTS[question, cls]
+
+
+def _has_use_cache(cls: type) -> bool:
+    try:
+        return "use_cache" in inspect.signature(cls.forward).parameters  # type: ignore[attr-defined]
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
+def takes_use_cache(module: Any) -> bool:
+    """True for a model whose forward has a `use_cache` parameter (Hugging Face models that return
+    their key/value cache, a device-sized object per batch, unless told not to)."""
+    return _of_class("use_cache", type(module), _has_use_cache)
 
 
 def _is_causal_lm(cls: type) -> bool:

@@ -11,6 +11,10 @@ A training step returns a loss tensor (the framework does backward + optimizer s
 of metrics (the step drove `engine.backward` / `engine.step` itself), or None (nothing to log).
 Steps get the `Engine` as their first argument; this module only relies on what a step may use
 of it (`model`, `module`, `loss`, `metrics`, `label_key`, `output_key`, `backward_and_step`).
+
+Evaluation and prediction call a model that can return its key/value cache (a Hugging Face
+model's `use_cache`) with `use_cache=False` unless the batch sets it: outputs are kept, so a
+cache per batch would pile up on the device.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from framework.outputs import (
     model_loss,
     predicts_next_token,
     take,
+    takes_use_cache,
 )
 
 ITERATOR_ARG = "dataloader_iter"
@@ -128,7 +133,8 @@ def forward_loss(engine: Any, batch: Any) -> tuple[Any, Any, torch.Tensor | None
     `model(**batch)`), the loss from the configured function or, with `loss=model`, from the
     model itself (its labels passed as `labels=`)."""
     own = is_model_loss(engine.loss)
-    outputs, labels = call_model(engine.model, batch, engine.label_key, own)
+    no_cache = not engine.module.training and takes_use_cache(engine.module)
+    outputs, labels = call_model(engine.model, batch, engine.label_key, own, no_cache)
     if labels is None or engine.loss is None:
         return outputs, labels, None
     return outputs, labels, model_loss(outputs) if own else engine.loss(outputs, labels)
@@ -160,8 +166,9 @@ def default_eval_step(engine: Any, batch: Any, unpadded: int) -> tuple[Any, torc
 
 
 def default_predict_step(engine: Any, batch: Any) -> Any:
-    """The model's outputs for a batch (its labels, if any, left out)."""
-    outputs, _ = call_model(engine.model, batch, engine.label_key, own_loss=False)
+    """The model's outputs for a batch (its labels, if any, left out; no key/value cache)."""
+    no_cache = takes_use_cache(engine.module)
+    outputs, _ = call_model(engine.model, batch, engine.label_key, own_loss=False, no_cache=no_cache)
     return outputs
 
 

@@ -122,6 +122,14 @@ def test_accuracy_with_the_models_own_loss_scores_the_next_position_and_skips_ig
     assert result["accuracy"] == pytest.approx(13 / 14) and result["torchmetrics"] == pytest.approx(13 / 14)
 
 
+def test_predict_keeps_no_key_value_cache():
+    """A cache per batch in the kept outputs would stay on the device: models are called with
+    use_cache=False outside training."""
+    torch.manual_seed(0)
+    out = Engine(tiny_gpt2(), "model").predict(Token(24), batch_size=16)
+    assert [list(o.keys()) for o in out] == [["logits"], ["logits"]]
+
+
 # ------------------------------------------------------------------------------------- ZeRO-3 construction
 
 
