@@ -106,9 +106,11 @@ class MetricSet:
     def update(self, outputs: Any, labels: Any, shifted: bool = False) -> None:
         """Accumulate one batch: what every metric sees is decided here. `shifted`: the logits at
         position t predict labels[t + 1] (a causal LM given `labels=`, as Hugging Face's own loss
-        reads them). Positions labelled `IGNORE_INDEX` never count: a metric whose `ignore_index`
-        is it skips them itself, any other gets only the counted positions (on a GPU, selecting
-        them waits for the device). Argument checks (a host sync on GPU) run on the first batch only."""
+        reads them). Positions labelled `IGNORE_INDEX` never count in the framework's Accuracy;
+        with `shifted` labels (where -100 is Hugging Face's padding), a metric of another kind gets
+        only the counted positions unless its own `ignore_index` is -100 (on a GPU, selecting them
+        waits for the device; other labels are passed as they are, no sync). Argument checks (a
+        host sync on GPU) run on the first batch only."""
         if labels is None or not isinstance(outputs, torch.Tensor) or not self.metrics:
             return
         logits = outputs.detach().float()
@@ -116,7 +118,7 @@ class MetricSet:
             logits, labels = logits[:, :-1], labels[:, 1:]
         counted: tuple[torch.Tensor, Any] | None = None
         for metric in self.metrics.values():
-            if getattr(metric, "ignore_index", None) == IGNORE_INDEX or not _integer(labels):
+            if not shifted or getattr(metric, "ignore_index", None) == IGNORE_INDEX or not _integer(labels):
                 metric.update(logits, labels)
             else:
                 if counted is None:
