@@ -95,6 +95,29 @@ def fits_whole(parameters: int) -> bool:
     return True
 
 
+# In-place writes an initialisation makes (directly, `p.data.normal_()`, or through an init
+# function kept from before any patching, as transformers keeps torch.nn.init's).
+_INIT_WRITES = frozenset(
+    ("normal_", "uniform_", "zero_", "fill_", "copy_", "exponential_", "log_normal_", "cauchy_", "geometric_")
+)
+
+
+class _EmptyWrites(torch.overrides.TorchFunctionMode):
+    """Records initialising writes into floating tensors with no elements: under zero.Init, a
+    parameter whose module was already built holds no elements (they live in its partition)."""
+
+    def __init__(self, lost: list[str]):
+        super().__init__()
+        self.lost = lost
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", "")
+        if name in _INIT_WRITES and args and isinstance(args[0], torch.Tensor):
+            if args[0].numel() == 0 and args[0].is_floating_point():
+                self.lost.append(f"Tensor.{name}")
+        return func(*args, **(kwargs or {}))
+
+
 @contextlib.contextmanager
 def _lost_initialisations() -> Iterator[list[str]]:
     """Record `torch.nn.init` calls on empty (partitioned) parameters while the block runs."""
@@ -105,7 +128,7 @@ def _lost_initialisations() -> Iterator[list[str]]:
         @functools.wraps(fn)
         def wrapper(tensor: Any, *args: Any, **kwargs: Any) -> Any:
             if isinstance(tensor, torch.Tensor) and tensor.numel() == 0 and hasattr(tensor, "ds_id"):
-                lost.append(name)
+                lost.append(f"torch.nn.init.{name}")
             return fn(tensor, *args, **kwargs)
 
         return wrapper
@@ -113,7 +136,7 @@ def _lost_initialisations() -> Iterator[list[str]]:
     for name, fn in originals.items():
         setattr(torch.nn.init, name, watch(name, fn))
     try:
-        with warnings.catch_warnings():  # we say what it means instead
+        with warnings.catch_warnings(), _EmptyWrites(lost):  # we say what it means instead
             warnings.filterwarnings("ignore", message="Initializing zero-element tensors is a no-op")
             yield lost
     finally:
@@ -143,8 +166,8 @@ def _partitioned(node: Any, runtime: Runtime, target: Any) -> Any:
         model = instantiate(node)
     if lost:
         raise ConfigError(
-            f"{type(model).__name__} initialises its weights after building its sub-modules (torch.nn.init."
-            f"{lost[0]} on parameters that ZeRO-3 had already partitioned), so built partitioned it would "
+            f"{type(model).__name__} initialises its weights after building its sub-modules ({lost[0]} on "
+            "parameters that ZeRO-3 had already partitioned), so built partitioned it would "
             "silently not get them: build it whole (strategy.sharding.init=whole) or initialise through "
             "self.apply(fn)"
         )
