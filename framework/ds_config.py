@@ -139,6 +139,11 @@ def deepspeed_config(
             "cpu_checkpointing": False,  # crashes on CPU
             "contiguous_memory_optimization": False,
         }
+    if "timers" not in strategy.deepspeed:
+        # DeepSpeed's throughput timer is on by default and synchronizes the device twice per
+        # micro-batch (the host stalls on CUDA); the framework measures speed itself. A raw
+        # `timers` section is DeepSpeed's as written, with DeepSpeed's defaults.
+        config["timers"] = {"throughput": {"enabled": False, "synchronized": False}}
     if load_universal:
         config["checkpoint"] = {"load_universal": True}
     optimizer = strategy.deepspeed.get("optimizer")

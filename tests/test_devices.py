@@ -121,6 +121,32 @@ def test_no_host_sync_from_the_framework_in_the_step_path(monkeypatch):
     assert not counter.calls, counter.calls
 
 
+def test_no_device_sync_from_deepspeed_in_the_step_path(monkeypatch):
+    """DeepSpeed's throughput timer synchronizes the device twice per micro-batch unless the
+    config turns it off; a user's own `timers` section still wins (test_strategy)."""
+    from deepspeed.accelerator import get_accelerator
+
+    counter = _CountSyncs()
+    accelerator = get_accelerator()
+    real = accelerator.synchronize
+
+    def counting(*args, **kwargs):
+        if counter.active:
+            counter.calls["synchronize", "".join(traceback.format_stack(limit=3)[:1])] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(accelerator, "synchronize", counting)
+    for stage in (0, 2):
+        torch.manual_seed(0)
+        Engine(
+            MLP(hidden=[32]), torch.nn.CrossEntropyLoss(), functools.partial(torch.optim.AdamW, lr=1e-3),
+            strategy=Strategy(sharding={"stage": stage}, gradient_merge={"k_steps": 2}), callbacks=[counter],
+        ).fit(DATA.train, epochs=1, batch_size=32, max_steps=6, log_freq=1000)  # fmt: skip
+        counter.active = False
+        device.destroy_process_group()
+    assert not counter.calls, counter.calls
+
+
 def test_zero3_on_the_cpu_starts_no_subprocess_per_step(monkeypatch):
     # DeepSpeed's CPU accelerator counts its devices from LOCAL_SIZE, else by running numactl,
     # which ZeRO-3 asks for every gradient bucket: the framework says the local size itself.

@@ -128,6 +128,13 @@ def test_gradient_clipping_is_off_unless_asked():
     assert config_for(Strategy(gradient_clip={"max_norm": 0.5}), 8, 1)["gradient_clipping"] == 0.5
 
 
+def test_deepspeeds_syncing_throughput_timer_is_off_unless_asked():
+    off = {"throughput": {"enabled": False, "synchronized": False}}
+    assert config_for(Strategy(), 8, 1)["timers"] == off
+    asked = Strategy(deepspeed={"timers": {"throughput": {"enabled": True}}})
+    assert config_for(asked, 8, 1)["timers"] == {"throughput": {"enabled": True}}  # DeepSpeed's defaults
+
+
 def test_recompute():
     ds = config_for(Strategy(recompute={"enable": True}), 8, 1)
     assert ds["activation_checkpointing"]["cpu_checkpointing"] is False
