@@ -24,12 +24,10 @@ import torch.distributed as dist
 
 from framework.allocator import tune_host_allocator
 
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 # Environment variables this process set itself for a launcher-less single process; removed on teardown.
 _owned_env: list[str] = []
+_replaced_env: dict[str, str] = {}  # launcher values this process overwrote; restored on teardown
 _we_initialized = False
-
-
 _accelerator: str | None = None  # "cuda" or "cpu", once decided
 
 
@@ -130,8 +128,8 @@ def local_world_size() -> int:
 
 
 def local_rank() -> int:
-    """Rank of this process on its machine."""
-    return int(os.environ.get("LOCAL_RANK", 0))
+    """Rank of this process on its machine (as the launcher said, see `_share_device_index`)."""
+    return int(_replaced_env.get("LOCAL_RANK", os.environ.get("LOCAL_RANK", 0)))
 
 
 def is_main_process() -> bool:
@@ -150,6 +148,16 @@ def device() -> torch.device:
 def device_index() -> int:
     """This rank's device index, as handed to DeepSpeed (`args.device_rank`)."""
     return device().index or 0
+
+
+def _share_device_index() -> None:
+    """DeepSpeed also reads LOCAL_RANK as a device index (init_process_group's device_id,
+    zero.Init, pipeline and ZeRO helpers): a process that sees fewer GPUs than its local rank
+    (one GPU per Slurm task) would make it name a device that does not exist ("invalid device
+    ordinal"). DeepSpeed is told the index chosen here; the launcher's value comes back on teardown."""
+    if cuda_available() and local_rank() != device_index():
+        _replaced_env.setdefault("LOCAL_RANK", os.environ["LOCAL_RANK"])
+        os.environ["LOCAL_RANK"] = str(device_index())
 
 
 def collective_device() -> torch.device:
@@ -200,18 +208,14 @@ def init_process_group(timeout_s: float = 300.0) -> None:
     if dist.is_initialized():
         return
     if not launched():
-        defaults = {
-            "RANK": "0",
-            "WORLD_SIZE": "1",
-            "LOCAL_RANK": "0",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(free_port()),
-        }
+        defaults = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+        defaults["MASTER_PORT"] = str(free_port())
         for key, value in defaults.items():
             if key not in os.environ:
                 os.environ[key] = value
                 _owned_env.append(key)
     if cuda_available():
+        _share_device_index()
         torch.cuda.set_device(device())
         if not _tf32_set:
             use_tf32(True)
@@ -293,6 +297,8 @@ def destroy_process_group(sync: bool = True, timeout_s: float = 30.0) -> None:
     _we_initialized = False
     while _owned_env:
         os.environ.pop(_owned_env.pop(), None)
+    os.environ.update(_replaced_env)
+    _replaced_env.clear()
 
 
 def _forget_deepspeed_groups() -> None:

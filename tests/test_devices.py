@@ -147,6 +147,24 @@ def test_no_device_sync_from_deepspeed_in_the_step_path(monkeypatch):
     assert not counter.calls, counter.calls
 
 
+def test_one_gpu_per_task_tells_deepspeed_the_device_it_sees(monkeypatch):
+    """Slurm with one GPU per task: LOCAL_RANK 3, one visible GPU. DeepSpeed reads LOCAL_RANK as a
+    device index itself (init_process_group's device_id, zero.Init), so the environment must name
+    the device chosen here; the launcher's value is kept for local_rank() and comes back on teardown."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(device, "_accelerator", "cuda")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    device._share_device_index()
+    assert device.device() == torch.device("cuda", 0) and device.device_index() == 0
+    assert os.environ["LOCAL_RANK"] == "0" and device.local_rank() == 3
+    device.destroy_process_group()
+    assert os.environ["LOCAL_RANK"] == "3"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)  # every GPU visible: nothing to change
+    device._share_device_index()
+    assert os.environ["LOCAL_RANK"] == "3" and device.device() == torch.device("cuda", 3)
+
+
 def test_zero3_on_the_cpu_starts_no_subprocess_per_step(monkeypatch):
     # DeepSpeed's CPU accelerator counts its devices from LOCAL_SIZE, else by running numactl,
     # which ZeRO-3 asks for every gradient bucket: the framework says the local size itself.
