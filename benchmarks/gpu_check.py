@@ -9,7 +9,7 @@ need a GPU (nccl, fp16, sync debugging, copy/compute overlap) are marked skipped
 
 1. placement: backend, DeepSpeed's accelerator, model / batch / metric state on the device
 2. ZeRO 0-3 (and ZeRO-3 + offload on a GPU): finite, falling losses; ZeRO-0/1/2 equal, ZeRO-3 within 1e-4
-3. bf16 and fp16 at ZeRO 0/2/3: finite, falling losses
+3. bf16 and fp16 at ZeRO 0/2/3: finite, falling losses; model(x) casts a just-computed fp32 input after it is written
 4. an injected fp16 overflow skips exactly one step, with and without accumulation; step and LR agree
 5. checkpoint, resume and export on the device; a rank file saved there loads in a CPU-only process
 6. no host sync per training step outside logging steps (torch.cuda.set_sync_debug_mode)
@@ -144,15 +144,41 @@ def check_zero_stages(cuda: bool, steps: int) -> dict[str, Any]:
 def check_mixed_precision(cuda: bool, steps: int) -> dict[str, Any]:
     """bf16 (and fp16 on a GPU) at ZeRO 0/2/3: finite, falling losses."""
     dtypes = ["bf16", "fp16"] if cuda else ["bf16"]
-    runs = {}
+    runs, inputs_cast_after_written = {}, {}
     for dtype in dtypes:
         for stage in (0, 2, 3):
-            runs[f"{dtype}_zero{stage}"] = _fit_losses(_engine(stage, amp=dtype), steps)
+            engine = _engine(stage, amp=dtype)
+            runs[f"{dtype}_zero{stage}"] = _fit_losses(engine, steps)
+            if cuda and stage == 0:
+                inputs_cast_after_written[dtype] = _fresh_input_is_cast_after_written(engine)
             _teardown()
     return {
-        "ok": all(_falling(v) for v in runs.values()),
-        "detail": {k: (v[0], v[-1]) for k, v in runs.items()},
+        "ok": all(_falling(v) for v in runs.values()) and all(inputs_cast_after_written.values()),
+        "detail": {
+            **{k: (v[0], v[-1]) for k, v in runs.items()},
+            "inputs_cast_after_written": inputs_cast_after_written,
+        },
     }
+
+
+def _fresh_input_is_cast_after_written(engine: Any) -> bool:
+    """`model(x * 2)` with an fp32 input just queued on the busy compute stream (the forward
+    pre-hook casts it to the compute dtype) equals the output for the same input long written: a
+    cast on the copy stream without waiting would read the input before it is written."""
+    dev = next(engine.module.parameters()).device
+    x = torch.randn(4096, 64, device=dev)
+    engine.module.eval()
+    with torch.no_grad():
+        settled = x * 2
+        torch.cuda.synchronize()
+        reference = engine.model(settled).float()
+        torch.full_like(x, float("nan"))  # freed at once: stale NaNs where x * 2 may land
+        busy = torch.randn(4096, 4096, device=dev)
+        for _ in range(20):
+            busy = torch.tanh(busy @ busy)  # the compute stream is busy for a while
+        fresh = engine.model(x * 2).float()
+    engine.module.train()
+    return torch.equal(fresh, reference)
 
 
 def check_fp16_overflow(cuda: bool, steps: int) -> dict[str, Any]:

@@ -3,7 +3,9 @@
 On CUDA the copies run on a side stream from pinned (page-locked) memory, started by the
 prefetch thread, so the copy of the next batch overlaps the compute of this one; the compute
 stream waits on the copy's event before it uses the batch, and the batch's memory is recorded
-on the compute stream so the allocator never reuses it early. On the CPU a batch is only cast.
+on the compute stream so the allocator never reuses it early. Tensors already on the device (a
+user's own inputs to `model(x)`) are cast on the compute stream that made them. On the CPU a batch
+is only cast.
 """
 
 from __future__ import annotations
@@ -43,12 +45,19 @@ class Copier:
         """The batch on its way to the device (with the event that marks its arrival on CUDA)."""
         if self.stream is None:
             return to_device(batch, self.device, self.float_dtype)
-        pinned = map_tensors(lambda t: t if t.is_cuda or t.is_pinned() else t.pin_memory(), batch)
+        pinned = map_tensors(self._stage, batch)
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             moved = to_device(pinned, self.device, self.float_dtype)
             event = torch.cuda.Event()
             event.record(self.stream)
         return _InFlight(moved, event)
+
+    def _stage(self, t: torch.Tensor) -> torch.Tensor:
+        """A tensor already on the device is cast here, on the current stream that wrote it (on the
+        copy stream the cast could read it before it is written); a host tensor gets pinned."""
+        if t.is_cuda:
+            return to_device(t, self.device, self.float_dtype)
+        return t if t.is_pinned() else t.pin_memory()
 
     def ready(self, item: Any) -> Any:
         """The batch, usable on the current (compute) stream."""
