@@ -15,6 +15,7 @@ from torch import nn
 
 from framework import device as dev
 from framework import pipeline as pipeline_lib
+from framework import watchdog
 
 
 def consolidate(
@@ -87,15 +88,21 @@ def save_weights(state: dict[str, torch.Tensor], out: str | Path) -> Path:
 
 def save_consolidated(runtime: Any, path: str | Path) -> Path:
     """The runtime's complete weights in fp32, written by rank 0 (`save_weights`); for a Hugging
-    Face model and a path without a file suffix, a `save_pretrained` directory. Collective."""
-    weights = {k: v.float() if v.is_floating_point() else v for k, v in runtime.full_state_dict().items()}
-    if dev.is_main_process():
-        module = runtime.module
-        if not Path(path).suffix and hasattr(module, "save_pretrained") and hasattr(module, "config"):
-            module.config.architectures = [type(module).__name__]
-            module.save_pretrained(str(path), state_dict=weights, safe_serialization=True)
-        else:
-            save_weights(weights, path)
+    Face model and a path without a file suffix, a `save_pretrained` directory. Collective: every
+    rank returns once the file is written. A large model may take longer than trainer.timeout_s, so
+    the watchdog is off meanwhile and the other ranks wait on the slow gloo group (an nccl
+    collective would time out instead)."""
+    with watchdog.suspended():
+        state = runtime.full_state_dict()
+        weights = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+        if dev.is_main_process():
+            module = runtime.module
+            if not Path(path).suffix and hasattr(module, "save_pretrained") and hasattr(module, "config"):
+                module.config.architectures = [type(module).__name__]
+                module.save_pretrained(str(path), state_dict=weights, safe_serialization=True)
+            else:
+                save_weights(weights, path)
+        dev.barrier(slow=True)
     return Path(path)
 
 

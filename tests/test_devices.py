@@ -22,7 +22,7 @@ from framework.export import fp32_state_dict
 from framework.models import MLP
 from framework.weights import load_weights
 
-from .conftest import FAST, fails_cleanly, run_cmd, run_train
+from .conftest import FAST, fails_cleanly, run_cmd, run_train, torchrun
 
 DATA = synthetic(num_samples=512)
 
@@ -187,6 +187,36 @@ def test_zero3_on_the_cpu_starts_no_subprocess_per_step(monkeypatch):
     assert started == [] and os.environ["LOCAL_SIZE"] == "1"
     device.destroy_process_group()
     assert "LOCAL_SIZE" not in os.environ  # the framework's own setting goes with the group
+
+
+_SLOW_WEIGHTS_SAVE = """
+import functools, sys, time
+from pathlib import Path
+import torch
+from framework import Engine, device, watchdog, weights
+from framework.models import MLP
+
+out, real = Path(sys.argv[1]), weights.save_weights
+weights.save_weights = lambda state, path: (time.sleep(3), real(state, path))[1]  # a large model
+engine = Engine(MLP(hidden=[8]), torch.nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1))
+engine.prepare("train", batch_size=8)
+watchdog.start(1.0, device.rank())  # shorter than the write: the save must not count as a stall
+engine.save(str(out / "w.safetensors"), training=False)
+(out / f"rank{device.rank()}").write_text(str((out / "w.safetensors").exists()))
+watchdog.stop()
+device.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_consolidated_weights_save_waits_for_rank_0_without_a_stall(tmp_path):
+    """What KeepBest and Control.save_weights call: rank 0 writes while the others wait for it
+    (under nccl on the slow gloo group), with the watchdog off however long the write takes."""
+    script = tmp_path / "save.py"
+    script.write_text(_SLOW_WEIGHTS_SAVE)
+    run = run_cmd([*torchrun(2), str(script), str(tmp_path)], timeout=150)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["True", "True"]
 
 
 def test_skipped_fp16_steps_are_counted_and_never_advance_the_step(monkeypatch):
