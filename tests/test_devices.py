@@ -176,6 +176,9 @@ def test_zero3_on_the_cpu_starts_no_subprocess_per_step(monkeypatch):
         started.append(cmd)
         return real(cmd, *args, **kwargs)
 
+    import platform
+
+    platform.processor()  # asks `uname -p` once per process (cached): not a per-step subprocess
     real = subprocess.check_output
     monkeypatch.setattr(subprocess, "check_output", spy)
     torch.manual_seed(0)
