@@ -399,6 +399,13 @@ def check_memory(cuda: bool, steps: int) -> dict[str, Any]:
     return {"ok": all(r["measured_MB"] >= 0.9 * r["estimate_MB"] for r in rows.values()), "detail": rows}
 
 
+def _shell_env() -> dict[str, str]:
+    """This process's environment as a user's shell would have it: without what the checks
+    before set for their own process groups and accelerator (DS_ACCELERATOR, ranks, ports)."""
+    drop = ("DS_ACCELERATOR", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
 def check_train_py(cuda: bool, steps: int) -> dict[str, Any]:
     """train.py end to end on the device; trainer.accelerator=cpu trains on the CPU."""
     results = {}
@@ -406,13 +413,13 @@ def check_train_py(cuda: bool, steps: int) -> dict[str, Any]:
         for name, extra in (("default", []), ("cpu", ["trainer.accelerator=cpu"])):
             run = subprocess.run(
                 [sys.executable, str(ROOT / "train.py"), f"trainer.max_steps={steps}", "trainer.epochs=1", *extra, f"hydra.run.dir={tmp}/{name}"],
-                capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                capture_output=True, text=True, cwd=ROOT, env={**_shell_env(), "OMP_NUM_THREADS": "1"},
             )  # fmt: skip
             where = "cuda" if "on cuda" in run.stdout else "cpu" if "on cpu" in run.stdout else "?"
             results[name] = {
                 "returncode": run.returncode,
                 "device": where,
-                "tail": run.stderr[-300:] if run.returncode else "",
+                "tail": run.stderr[-3000:] if run.returncode else "",
             }
     ok = results["default"]["returncode"] == 0 and results["default"]["device"] == ("cuda" if cuda else "cpu")
     ok &= results["cpu"]["returncode"] == 0 and results["cpu"]["device"] == "cpu"
