@@ -63,12 +63,42 @@ def consolidate(
 
 
 def load_whole(module: nn.Module, zero3: bool, state: dict[str, Any]) -> None:
-    """Load complete weights into `module` (under ZeRO-3 rank 0's dict is the one used)."""
+    """Load complete weights into `module`. Under ZeRO-3 one module's parameters are gathered at
+    a time (never the whole model on a rank) and rank 0's values are the ones used; buffers are
+    loaded on every rank. Keys and shapes must match exactly, as `load_state_dict(strict=True)`."""
     import deepspeed
 
-    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0, enabled=zero3):
-        if not zero3 or dev.rank() == 0:
-            module.load_state_dict(state, strict=True)
+    if not zero3:
+        module.load_state_dict(state, strict=True)
+        return
+    entries = module.state_dict(keep_vars=True)
+    missing, unexpected = sorted(set(entries) - set(state)), sorted(set(state) - set(entries))
+    if missing or unexpected:
+        raise RuntimeError(
+            f"Error(s) in loading state_dict for {type(module).__name__}: missing keys {missing[:5]}, "
+            f"unexpected keys {unexpected[:5]}"
+        )
+    key_of: dict[int, str] = {}
+    for key, value in entries.items():
+        key_of.setdefault(id(value), key)  # a tied parameter: loaded once, from its first key
+    with torch.no_grad():
+        for sub in module.modules():
+            own = [p for p in sub.parameters(recurse=False) if id(p) in key_of]
+            with deepspeed.zero.GatheredParameters(own, modifier_rank=0, enabled=bool(own)):
+                for p in own:
+                    key = key_of.pop(id(p))
+                    if dev.rank() == 0:
+                        _copy_checked(p, state[key], key)
+        for key in key_of.values():  # buffers (never partitioned)
+            _copy_checked(entries[key], state[key], key)
+
+
+def _copy_checked(target: torch.Tensor, value: torch.Tensor, key: str) -> None:
+    if tuple(value.shape) != tuple(target.shape):
+        raise RuntimeError(
+            f"size mismatch for {key}: the weights have shape {tuple(value.shape)}, the model {tuple(target.shape)}"
+        )
+    target.copy_(value)
 
 
 def save_weights(state: dict[str, torch.Tensor], out: str | Path) -> Path:

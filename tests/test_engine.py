@@ -323,3 +323,36 @@ def test_zero3_gathers_each_weight_once_per_step_after_an_evaluation_first(monke
     after_eval = _gathered_per_step(monkeypatch, evaluate_first=True)
     assert plain[-1] > 0
     assert after_eval[-2:] == plain[-2:]
+
+
+def test_zero3_loads_whole_weights_one_module_at_a_time(monkeypatch, tmp_path):
+    import deepspeed
+
+    from framework.models import GPT, LMLoss
+    from framework.weights import save_weights
+
+    torch.manual_seed(1)
+    source = GPT(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    path = save_weights(source.state_dict(), tmp_path / "w.safetensors")
+    gathered: list[int] = []
+    real = deepspeed.zero.GatheredParameters
+
+    def spy(params, *args, **kwargs):
+        gathered.append(sum(p.ds_numel for p in params) if kwargs.get("enabled", True) else 0)
+        return real(params, *args, **kwargs)
+
+    torch.manual_seed(0)
+    engine = Engine(
+        GPT(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=32),
+        LMLoss(),
+        functools.partial(torch.optim.SGD, lr=0.1),
+        strategy=Strategy(sharding={"stage": 3}),
+    )
+    engine.prepare("train", 8)
+    monkeypatch.setattr(deepspeed.zero, "GatheredParameters", spy)
+    engine.load(str(path))
+    monkeypatch.undo()
+    loaded = engine.runtime.full_state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in source.state_dict().items())
+    largest_module = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in source.modules())
+    assert 0 < max(gathered) <= largest_module < sum(p.numel() for p in source.parameters())
