@@ -83,16 +83,30 @@ def eval_batch(pipe_engine: Any, batches: Iterator[Any]) -> torch.Tensor:
     )
 
 
-def local_state_dict(pipe: nn.Module, model: nn.Module) -> dict[str, torch.Tensor]:
+def local_state_dict(pipe: nn.Module, model: nn.Module, master: bool = False) -> dict[str, torch.Tensor]:
     """The weights this stage holds, as CPU tensors under the model's own parameter names (tied
-    layers map onto the model attribute of their key)."""
+    layers map onto the model attribute of their key). `master`: each parameter from the
+    optimizer's fp32 master copy where DeepSpeed keeps one (bf16), so it is not rounded.
+    Collective over this stage's data-parallel group when `master`."""
     names = {id(m): n for n, m in model.named_modules()}
     mine: dict[str, torch.Tensor] = {}
     for child_name, child in pipe.named_children():
         if child_name == "tied_modules":
             for key, tied in child.named_children():
-                mine.update({f"{key}.{k}": v.detach().cpu().clone() for k, v in tied.state_dict().items()})
+                mine.update({f"{key}.{k}": v for k, v in _weights(tied, master).items()})
         elif id(child) in names:
-            prefix = names[id(child)]
-            mine.update({f"{prefix}.{k}": v.detach().cpu().clone() for k, v in child.state_dict().items()})
+            mine.update({f"{names[id(child)]}.{k}": v for k, v in _weights(child, master).items()})
     return mine
+
+
+def _weights(module: nn.Module, master: bool) -> dict[str, torch.Tensor]:
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    masters = {}
+    if master:
+        masters = {id(p): safe_get_full_fp32_param(p) for p in module.parameters()}
+    out = {}
+    for key, value in module.state_dict(keep_vars=True).items():
+        high = masters.get(id(value))
+        out[key] = (high if high is not None else value).detach().cpu().clone()
+    return out

@@ -369,7 +369,7 @@ class Runtime:
         `on_every_rank`). Collective. See `framework.weights.consolidate`."""
         assert self.module is not None
         pipe = self.deepspeed_engine.module if self.strategy.uses_pipeline and self.ready else None
-        master = self.optimizer is not None and not self.strategy.uses_pipeline
+        master = self.optimizer is not None
         return weights.consolidate(
             self.module, self._is_zero3(), pipe, on_every_rank, master, self._fp32_masters()
         )

@@ -36,7 +36,7 @@ def consolidate(
 
     keep = on_every_rank or dev.is_main_process()
     if pipe is not None:
-        parts = dev.all_gather_object(pipeline_lib.local_state_dict(pipe, module))
+        parts = dev.all_gather_object(pipeline_lib.local_state_dict(pipe, module, master))
         return {k: v for part in parts for k, v in part.items()} if keep else {}
     entries = module.state_dict(keep_vars=True)  # parameter objects, not copies
     keys_of: dict[int, list[str]] = {}

@@ -71,3 +71,11 @@ def test_predict_steps_return_outputs_in_dataset_order(tmp_path, nproc):
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads((tmp_path / "predict.json").read_text())
     assert result == {"default": True, "iterator": True, "model method": True, "world_size": nproc}
+
+
+def test_pipeline_bf16_weights_are_saved_from_the_fp32_masters(tmp_path):
+    script = str(ROOT / "tests" / "scripts" / "pipeline_bf16_export.py")
+    run = run_cmd([*torchrun(2), script, str(tmp_path)], timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    record = json.loads((tmp_path / "rank0.json").read_text())
+    assert record["matrices"] >= 8 and record["rounded"] == []  # each stage's, none rounded to bf16
