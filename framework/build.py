@@ -23,7 +23,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from framework import checkpoint, construct, watchdog
+from framework import checkpoint, construct
 from framework import device as dev
 from framework.callbacks import Callback
 from framework.checkpoint import preemption
@@ -87,6 +87,7 @@ def build_fit_config(cfg: DictConfig, ckpt_dir: Path, handle_preemption: bool) -
         resume=t.resume,
         handle_preemption=handle_preemption,
         peak_tflops=t.peak_tflops,
+        timeout_s=float(t.timeout_s),  # a stuck rank ends the job within timeout_s
     )
 
 
@@ -257,7 +258,7 @@ def build_engine(cfg: DictConfig, runtime: Runtime, callbacks: list[Callback]) -
 
 
 def _fit(cfg: DictConfig, engine: Engine, splits: Any, ckpt_dir: Path) -> dict[str, list[Any]]:
-    """Preemption handling, `trainer.init_from`, the watchdog, then `Engine.fit`."""
+    """Preemption handling, `trainer.init_from`, then `Engine.fit` (watched: `trainer.timeout_s`)."""
     t = cfg.trainer
     preempt = t.checkpoint.enabled and threading.current_thread() is threading.main_thread()
     if preempt:
@@ -265,11 +266,7 @@ def _fit(cfg: DictConfig, engine: Engine, splits: Any, ckpt_dir: Path) -> dict[s
     if t.init_from and not (t.resume and (t.resume != "auto" or checkpoint.find_resumable(ckpt_dir))):
         engine.prepare("train", int(t.batch_size))
         engine.load(str(t.init_from))  # a fresh start from these weights
-    watchdog.start(float(t.timeout_s), dev.rank())  # a stuck rank ends the job within timeout_s
-    try:
-        return engine.fit(splits.train, splits.valid, **build_fit_config(cfg, ckpt_dir, preempt).as_kwargs())
-    finally:
-        watchdog.stop()
+    return engine.fit(splits.train, splits.valid, **build_fit_config(cfg, ckpt_dir, preempt).as_kwargs())
 
 
 def train(cfg: DictConfig, output_dir: str | None, context: dict[str, Any] | None = None) -> float | None:

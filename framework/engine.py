@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from framework import checkpoint, evaluation, fine_grained, loops, weights
+from framework import checkpoint, evaluation, fine_grained, loops, watchdog, weights
 from framework import cost as cost_lib
 from framework import data as data_lib
 from framework import device as dev
@@ -209,7 +209,7 @@ class Engine:
         collate_fn: Callable | None = None, num_workers: int = 0, callbacks: Iterable[Callback] | None = None,
         valid_at_start: bool = False, save_dir: str | None = None, save_freq: int = 0,
         keep_last_k: int | None = 3, resume: str | None = None, handle_preemption: bool = False,
-        peak_tflops: float | None = None,
+        peak_tflops: float | None = None, timeout_s: float | None = None,
     ) -> dict[str, list[Any]]:  # fmt: skip
         """Train for `epochs` epochs (or until `max_steps` optimizer steps) and return the history:
         per-epoch lists of loss, lr, each metric and, when validating, val_loss and val_<metric>
@@ -218,9 +218,10 @@ class Engine:
         config = loops.FitConfig(
             epochs, batch_size, steps_per_epoch, valid_freq, log_freq, max_steps, valid_batch_size, shuffle,
             collate_fn, num_workers, valid_at_start, save_dir, save_freq, keep_last_k, resume, handle_preemption,
-            peak_tflops,
+            peak_tflops, timeout_s,
         )  # fmt: skip
-        return loops.fit(self, train_data, valid_data, config, callbacks or ())
+        with watchdog.watching(timeout_s, dev.rank()):
+            return loops.fit(self, train_data, valid_data, config, callbacks or ())
 
     def evaluate(
         self, valid_data: Any, batch_size: int = 1, steps: int | None = None, collate_fn: Callable | None = None

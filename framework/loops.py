@@ -38,7 +38,9 @@ class FitConfig:
     `batch_size` is global; `steps_per_epoch` caps optimizer steps per epoch; `log_freq` is in
     optimizer steps; with `save_dir`, a checkpoint every `save_freq` optimizer steps (0: only at
     the end), the newest `keep_last_k` kept; `resume` ("auto" or a path) continues one;
-    `handle_preemption` saves and stops at the next step boundary after SIGTERM."""
+    `handle_preemption` saves and stops at the next step boundary after SIGTERM; with `timeout_s`,
+    a rank that makes no progress for that long says so, with its threads' stacks, and exits 1
+    (instead of waiting in a collective for torch's 30-minute default)."""
 
     epochs: int = 1
     batch_size: int = 1
@@ -57,6 +59,7 @@ class FitConfig:
     resume: str | None = None
     handle_preemption: bool = False
     peak_tflops: float | None = None  # the device's peak for MFU (default: table / measured)
+    timeout_s: float | None = None  # a rank without progress this long ends the job (watchdog)
 
     def as_kwargs(self) -> dict[str, Any]:
         """The fields as keyword arguments (shallow: collate_fn stays the same object)."""

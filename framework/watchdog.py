@@ -86,3 +86,17 @@ def stop() -> None:
 def running() -> bool:
     """True while a watchdog thread runs in this process."""
     return _thread is not None and _thread.is_alive()
+
+
+@contextlib.contextmanager
+def watching(timeout_s: float | None, rank: int = 0) -> Iterator[None]:
+    """Watch this process while the block runs (nothing when `timeout_s` is None or a watchdog
+    already runs: the outer one stays in charge)."""
+    if timeout_s is None or running():
+        yield
+        return
+    start(timeout_s, rank)
+    try:
+        yield
+    finally:
+        stop()

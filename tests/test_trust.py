@@ -417,6 +417,22 @@ def test_a_stuck_rank_ends_the_job_within_the_timeout(tmp_path):
     assert elapsed < 20 + 45, elapsed  # the stall plus startup, not torch's 30 minutes
 
 
+def test_the_python_api_is_watched_too_when_given_a_timeout(tmp_path):
+    script = (
+        "import functools, torch\n"
+        "from framework import Engine\n"
+        "from framework.datasets import synthetic\n"
+        "from framework.models import MLP\n"
+        "from tests.helpers import StallOnRank\n"
+        "engine = Engine(MLP(hidden=[16]), torch.nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1),"
+        " callbacks=[StallOnRank(rank=0, step=2)])\n"
+        "engine.fit(synthetic(num_samples=256).train, epochs=1, batch_size=32, timeout_s=3)\n"
+    )
+    run = run_cmd([sys.executable, "-c", script], timeout=120)
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert "made no progress for" in run.stderr and "helpers/__init__.py" in run.stderr, run.stderr[-3000:]
+
+
 class Squatter:
     """A listener that accepts connections and never answers."""
 
