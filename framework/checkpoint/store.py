@@ -164,14 +164,15 @@ def read_meta(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path} is damaged: {marker} cannot be read ({exc})") from None
 
 
-_verified: dict[str, float] = {}  # checkpoint path -> COMPLETE.json's mtime when it was verified
+_verified: dict[str, Any] = {}  # checkpoint path -> its files' names, sizes and mtimes when verified
 
 
 def verify(path: Path) -> dict[str, Any]:
     """Check a checkpoint before anything reads it (see `safety`); returns its metadata. A
-    checkpoint verified once in this process is not hashed again while COMPLETE.json is unchanged."""
+    checkpoint verified once in this process is not hashed again while none of its files changed
+    (name, size and modification time of each)."""
     meta = read_meta(path)
-    stamp = (path / COMPLETE).stat().st_mtime
+    stamp = safety.stamp(path)
     if _verified.get(str(path)) != stamp:
         safety.verify(path, meta)
         _verified[str(path)] = stamp
