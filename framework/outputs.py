@@ -75,15 +75,7 @@ def call_model(
         ) from None
 
 
-_CLASS_FACTS: dict[tuple[str, type], bool] = {}  # (question, model class) -> answer
-
-
-def _of_class(question: str, cls: type, answer: Callable[[type], bool]) -> bool:
-    if (question, cls) not in _CLASS_FACTS:
-        _CLASS_FACTS[question, cls] = answer(cls)
-    return _CLASS_FACTS[question, cls]
-
-
+@functools.cache  # per model class: asked on every evaluation and prediction batch
 def _has_use_cache(cls: type) -> bool:
     try:
         return "use_cache" in inspect.signature(cls.forward).parameters  # type: ignore[attr-defined]
@@ -94,9 +86,10 @@ def _has_use_cache(cls: type) -> bool:
 def takes_use_cache(module: Any) -> bool:
     """True for a model whose forward has a `use_cache` parameter (Hugging Face models that return
     their key/value cache, a device-sized object per batch, unless told not to)."""
-    return _of_class("use_cache", type(module), _has_use_cache)
+    return _has_use_cache(module.__class__)
 
 
+@functools.cache  # per model class: asked on every batch that updates metrics
 def _is_causal_lm(cls: type) -> bool:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -107,7 +100,7 @@ def _is_causal_lm(cls: type) -> bool:
 def predicts_next_token(module: Any) -> bool:
     """True for a Hugging Face causal LM: given `labels=`, its logits at position t are scored
     against labels[t + 1] (it shifts them itself)."""
-    return "transformers" in sys.modules and _of_class("causal_lm", type(module), _is_causal_lm)
+    return "transformers" in sys.modules and _is_causal_lm(module.__class__)
 
 
 def _fields(outputs: Any) -> Mapping[str, Any] | None:

@@ -101,6 +101,11 @@ def _copy_checked(target: torch.Tensor, value: torch.Tensor, key: str) -> None:
     target.copy_(value)
 
 
+def is_hf_model(module: Any) -> bool:
+    """A Hugging Face model: it has a config and can write a `save_pretrained` directory."""
+    return hasattr(getattr(module, "config", None), "save_pretrained") and hasattr(module, "save_pretrained")
+
+
 def save_weights(state: dict[str, torch.Tensor], out: str | Path) -> Path:
     """Write weights: safetensors for a `.safetensors` path, else a torch state dict."""
     out = Path(out)
@@ -127,7 +132,7 @@ def save_consolidated(runtime: Any, path: str | Path) -> Path:
         weights = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
         if dev.is_main_process():
             module = runtime.module
-            if not Path(path).suffix and hasattr(module, "save_pretrained") and hasattr(module, "config"):
+            if not Path(path).suffix and is_hf_model(module):
                 module.config.architectures = [type(module).__name__]
                 module.save_pretrained(str(path), state_dict=weights, safe_serialization=True)
             else:

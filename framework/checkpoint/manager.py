@@ -27,6 +27,7 @@ from framework.checkpoint import preemption, safety, store
 from framework.errors import CheckpointError, ConfigError
 from framework.metrics import Metrics
 from framework.state import LoopState
+from framework.weights import is_hf_model
 
 if TYPE_CHECKING:
     from framework.runtime import Runtime
@@ -131,17 +132,12 @@ HF_CONFIG = "hf_config"  # a Hugging Face model's config.json, for `framework.ex
 HF_PREFIX = "weights_prefix"  # in HF_CONFIG: where the HF model sits in a wrapper's state dict ("lm.")
 
 
-def _is_hf_model(module: Any) -> bool:
-    config = getattr(module, "config", None)
-    return hasattr(config, "save_pretrained") and hasattr(module, "save_pretrained")
-
-
 def _hf_model_in(module: Any) -> tuple[str, Any] | None:
     """(prefix, model): the Hugging Face model `module` is, or the one sub-module that is (a wrapper
     around it); None when there is none, or several."""
-    if _is_hf_model(module):
+    if is_hf_model(module):
         return "", module
-    found = [(name, m) for name, m in module.named_modules() if name and _is_hf_model(m)]
+    found = [(name, m) for name, m in module.named_modules() if name and is_hf_model(m)]
     outer = [(name, m) for name, m in found if not any(name.startswith(other + ".") for other, _ in found)]
     return (outer[0][0] + ".", outer[0][1]) if len(outer) == 1 else None
 
