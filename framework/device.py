@@ -65,7 +65,29 @@ def select_accelerator(choice: str = "auto") -> str:
         raise ConfigError(f"trainer.accelerator={choice} comes after DeepSpeed started on {_accelerator}")
     _accelerator = choice
     os.environ["DS_ACCELERATOR"] = choice
+    _tell_deepspeed(choice)
     return choice
+
+
+def _tell_deepspeed(choice: str) -> None:
+    """DeepSpeed fixes its accelerator when it is first imported (from DS_ACCELERATOR, else by
+    detecting CUDA), and `quiet_deepspeed` imports it before a run decides: on a GPU machine
+    `trainer.accelerator=cpu` then put the weights on cuda:0 and the batches on the CPU. When
+    DeepSpeed is already loaded and chose otherwise, it is told through its public setter."""
+    if "deepspeed" not in sys.modules:
+        return  # it reads DS_ACCELERATOR, set above, when it is imported
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+
+    if get_accelerator().device_name() == choice:
+        return
+    if choice == "cpu":
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+        set_accelerator(CPU_Accelerator())
+    else:
+        from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+
+        set_accelerator(CUDA_Accelerator())
 
 
 def cuda_available() -> bool:

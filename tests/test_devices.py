@@ -22,7 +22,7 @@ from framework.export import fp32_state_dict
 from framework.models import MLP
 from framework.weights import load_weights
 
-from .conftest import FAST, fails_cleanly, run_cmd, run_train, torchrun
+from .conftest import FAST, fails_cleanly, run_cmd, run_train, subprocess_env, torchrun
 
 DATA = synthetic(num_samples=512)
 
@@ -257,8 +257,28 @@ def test_accelerator_cuda_without_a_gpu_is_one_line(tmp_path):
     )
 
 
+def test_accelerator_cpu_tells_deepspeed_after_it_chose_cuda(monkeypatch):
+    """DeepSpeed fixes its accelerator on import (CUDA on a GPU machine), before a run decides:
+    choosing the CPU afterwards must switch DeepSpeed too, or the engine puts the weights on cuda:0
+    while the framework's batches stay on the CPU."""
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+    from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+
+    before = get_accelerator()
+    monkeypatch.setattr(device, "_accelerator", None)
+    set_accelerator(CUDA_Accelerator())  # what `import deepspeed` picks on a GPU machine
+    try:
+        assert device.select_accelerator("cpu") == "cpu"
+        assert get_accelerator().device_name() == "cpu" and os.environ["DS_ACCELERATOR"] == "cpu"
+    finally:
+        set_accelerator(before)
+
+
 def test_accelerator_cpu_trains_on_the_cpu(tmp_path):
-    run = run_train(["trainer.accelerator=cpu", *FAST, "trainer.max_steps=2"], tmp_path)
+    # DS_ACCELERATOR=cuda makes DeepSpeed pick CUDA on import, as it does on a GPU machine (and as a
+    # parent process that trained on the GPU leaves it): the run must still train on the CPU.
+    env = subprocess_env(DS_ACCELERATOR="cuda")
+    run = run_train(["trainer.accelerator=cpu", *FAST, "trainer.max_steps=2"], tmp_path, env=env)
     assert run.returncode == 0 and "process(es) on cpu" in run.stdout, run.stderr[-2000:]
 
 
