@@ -14,7 +14,8 @@ on the CPU.
 4. an injected fp16 overflow skips exactly one step, with and without accumulation; step and LR agree
 5. checkpoint, resume and export on the device; a rank file saved there loads in a CPU-only process
 6. no host sync per training step outside logging steps (torch.cuda.set_sync_debug_mode)
-7. host-to-device copies overlap compute (profiler), and prefetch 2 is no slower than prefetch 0
+7. batch copies run on a side stream beside the kernels of a ~100 M GPT (profiler; benchmarks/gpu_overlap.py),
+   and prefetch 2 is no slower than prefetch 0
 8. device memory per ZeRO stage for a ~25 M GPT next to Engine.cost()
 9. train.py end to end on the device; trainer.accelerator=cpu on the same machine trains on the CPU
 """
@@ -38,6 +39,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import RESULTS, machine, parse_args, quiet
+from benchmarks.gpu_overlap import check_overlap
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -324,44 +326,6 @@ def check_host_syncs(cuda: bool, steps: int) -> dict[str, Any]:
         "explicit_count": len(explicit),
     }
     return {"ok": not syncs and not explicit, "detail": detail}
-
-
-def check_overlap(cuda: bool, steps: int) -> dict[str, Any]:
-    """Copies on a side stream overlapping compute (profiler), and prefetch 2 <= prefetch 0 in step time."""
-    from benchmarks.common import StepTimes, median
-
-    times = {}
-    for depth in (0, 2):
-        timer = StepTimes()
-        engine = _engine(0, prefetch=depth, callbacks=[timer])
-        _fit_losses(engine, steps + 5)
-        times[depth] = median(timer.times)
-        _teardown()
-    detail: dict[str, Any] = {"step_ms": {k: v * 1000 for k, v in times.items()}}
-    if not cuda:  # nothing to copy on the CPU: the loop ran, the timing says nothing about overlap
-        return {"ok": True, "skipped": True, "detail": detail}
-    ok = times[2] <= times[0] * 1.05
-    if cuda:
-        from torch.profiler import ProfilerActivity, profile
-
-        engine = _engine(0)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            _fit_losses(engine, 6)
-        _teardown()
-        events = [e for e in prof.events() if e.device_type.name == "CUDA"]
-        copies = [e for e in events if "Memcpy HtoD" in e.name]
-        kernels = [e for e in events if "Memcpy" not in e.name]
-        overlapping = sum(
-            1
-            for c in copies
-            if any(
-                k.time_range.start < c.time_range.end and c.time_range.start < k.time_range.end
-                for k in kernels
-            )
-        )
-        detail.update(h2d_copies=len(copies), overlapping_compute=overlapping)
-        ok &= overlapping > 0
-    return {"ok": ok, "detail": detail}
 
 
 def check_memory(cuda: bool, steps: int) -> dict[str, Any]:

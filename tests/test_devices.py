@@ -292,3 +292,31 @@ def test_gpu_check_smoke_runs_on_the_cpu(tmp_path):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["passed"] and report["device"] == "cpu" and len(report["checks"]) >= 8
     assert all(c["ok"] for c in report["checks"] if not c.get("skipped")), report["checks"]
+
+
+def test_gpu_check_overlap_criterion_counts_batch_copies_beside_kernels():
+    """The profiler criterion of gpu_check's `overlap`: batch copies (pinned host memory) on a side
+    stream inside a kernel's time span count; one on the compute stream is named; pageable copies
+    of scalars (DeepSpeed's, torch's) are not batch copies."""
+    from benchmarks.gpu_overlap import copy_overlap
+
+    def event(cat, ts, dur, stream, name="k"):
+        return {"cat": cat, "ts": ts, "dur": dur, "name": name, "args": {"stream": stream}}
+
+    pinned, pageable = "Memcpy HtoD (Pinned -> Device)", "Memcpy HtoD (Pageable -> Device)"
+    events = [event("kernel", t, 9.0, 7) for t in range(100, 400, 10)]  # a busy compute stream
+    events += [
+        event("gpu_memcpy", 1, 1, 20, pinned),
+        event("gpu_memcpy", 3, 1, 20, pinned),
+    ]  # before any kernel
+    events += [event("gpu_memcpy", 150, 2, 20, pinned), event("gpu_memcpy", 251, 1, 20, pinned)]
+    events += [event("gpu_memcpy", 500, 1, 20, pinned)]  # after the last kernel
+    events += [event("gpu_memcpy", 305, 1, 7, pinned), event("gpu_memcpy", 200, 1, 7, pageable)]
+    stats = copy_overlap(events)
+    assert stats == {
+        "batch_copies": 6,
+        "on_compute_stream": 1,
+        "overlapping_a_kernel": 3,
+        "batch_copies_after_first": 4,
+        "other_h2d_copies": 1,
+    }
