@@ -424,38 +424,44 @@ def main(argv: list[str] | None = None) -> int:
 
     device.select_accelerator("cuda" if cuda else "cpu")
     steps = 20 if cuda else 6
-    checks = []
-    for name, check in CHECKS:
-        start = time.perf_counter()
-        try:
-            result = check(cuda, steps)
-        except Exception as exc:  # noqa: BLE001 - a check that crashes fails, the others still run
-            result = {
-                "ok": False,
-                "detail": f"{type(exc).__name__}: {exc}",
-                "trace": traceback.format_exc()[-2000:],
-            }
-            _teardown()
-        result = {"name": name, "seconds": round(time.perf_counter() - start, 1), **result}
-        state = "skipped" if result.get("skipped") else ("ok" if result["ok"] else "FAILED")
-        print(
-            f"{name:16s} {state:8s} {result['seconds']:6.1f} s  {json.dumps(result['detail'], default=str)[:300]}",
-            flush=True,
-        )
-        checks.append(result)
-    report = {
-        "benchmark": "gpu_check",
-        "device": "cuda" if cuda else "cpu",
-        "gpu": torch.cuda.get_device_name(0) if cuda else None,
-        "machine": machine(),
-        "passed": all(c["ok"] for c in checks),
-        "checks": checks,
-    }
     out_dir = _out_dir(args.out_dir, args.smoke)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
+    checks: list[dict[str, Any]] = []
+    for name, check in CHECKS:
+        checks.append(_run_check(name, check, cuda, steps))
+        # after every check: a run stopped from outside (a time limit) keeps what it found so far
+        report = {
+            "benchmark": "gpu_check",
+            "device": "cuda" if cuda else "cpu",
+            "gpu": torch.cuda.get_device_name(0) if cuda else None,
+            "machine": machine(),
+            "passed": all(c["ok"] for c in checks) and len(checks) == len(CHECKS),
+            "checks": checks,
+        }
+        (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
     print(f"{'passed' if report['passed'] else 'FAILED'}: {out_dir / 'gpu_check.json'}")
     return 0 if report["passed"] else 1
+
+
+def _run_check(
+    name: str, check: Callable[[bool, int], dict[str, Any]], cuda: bool, steps: int
+) -> dict[str, Any]:
+    """One check, timed; a crash is a failed check (the others still run); one line printed."""
+    start = time.perf_counter()
+    try:
+        result = check(cuda, steps)
+    except Exception as exc:  # noqa: BLE001 - a check that crashes fails, the others still run
+        result = {
+            "ok": False,
+            "detail": f"{type(exc).__name__}: {exc}",
+            "trace": traceback.format_exc()[-2000:],
+        }
+        _teardown()
+    result = {"name": name, "seconds": round(time.perf_counter() - start, 1), **result}
+    state = "skipped" if result.get("skipped") else ("ok" if result["ok"] else "FAILED")
+    detail = json.dumps(result["detail"], default=str)[:300]
+    print(f"{name:16s} {state:8s} {result['seconds']:6.1f} s  {detail}", flush=True)
+    return result
 
 
 if __name__ == "__main__":

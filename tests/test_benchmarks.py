@@ -70,15 +70,35 @@ def test_summary_table_from_results(smoke_results):
     assert "pipeline: bubble at m=2" in text
 
 
-def test_gpu_bench_smoke_runs_every_row_on_the_cpu(tmp_path):
+@pytest.fixture(scope="module")
+def gpu_run_smoke(tmp_path_factory):
+    """`python -m benchmarks.gpu_run --smoke`, once: gpu_check then gpu_bench on the CPU."""
+    out = tmp_path_factory.mktemp("gpu_run")
+    run = run_cmd([sys.executable, "-m", "benchmarks.gpu_run", "--smoke", "--out-dir", str(out)], timeout=560)
+    return out, run
+
+
+def test_gpu_check_smoke_runs_on_the_cpu(gpu_run_smoke):
+    out, run = gpu_run_smoke
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["passed"] and report["device"] == "cpu" and len(report["checks"]) >= 8, run.stdout[-4000:]
+    assert all(c["ok"] for c in report["checks"] if not c.get("skipped")), report["checks"]
+
+
+def test_gpu_run_prints_both_tables(gpu_run_smoke):
+    out, run = gpu_run_smoke
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    text = (out / "gpu_run.md").read_text()
+    assert "### gpu_check: cpu — passed" in text and "| train_py | ok |" in text
+    assert "### GPU benchmark: cpu" in text and text in run.stdout
+
+
+def test_gpu_bench_smoke_runs_every_row_on_the_cpu(gpu_run_smoke):
     """`benchmarks.gpu_bench --smoke`: ours, raw DeepSpeed with the identical JSON, each peer,
     offload (dropped on a CPU) and the compile rows, in one process, with both tables written."""
     from benchmarks.gpu_bench import plan
 
-    run = run_cmd(
-        [sys.executable, "-m", "benchmarks.gpu_bench", "--smoke", "--out-dir", str(tmp_path)], timeout=420
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    tmp_path, run = gpu_run_smoke
     report = json.loads((tmp_path / "gpu_bench.json").read_text())
     rows = report["rows"]
     assert [(r["setup"], r["framework"]) for r in rows] == [(r["setup"], r["framework"]) for r in plan(True)]
