@@ -7,8 +7,7 @@ package they need (their requirements, followed; torch and numpy left out: a GPU
 own builds), each with `pip download --no-deps --only-binary=:all:`. `benchmarks.gpu_bench` installs
 from that folder, with `pip install --no-index --no-deps`, only the wheels of packages the machine
 lacks, and only when one of the three cannot be found. The folder is git-ignored (binaries stay out
-of the repository); a remote runner that copies ignored paths only when named must be told to take
-`benchmarks/wheels` (it is ~30 MB).
+of the repository): copy it to the GPU machine with the working tree (~32 MB).
 """
 
 from __future__ import annotations
