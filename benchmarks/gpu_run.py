@@ -2,8 +2,12 @@
 tables printed at the end.
 
     python -m benchmarks.wheels                  # before, on a machine with network (peers' wheels)
-    python -m benchmarks.gpu_run                 # on the GPU machine: about 12 minutes, no network
+    python -m benchmarks.gpu_run                 # on the GPU machine: 9.5 minutes, no network
+    python -m benchmarks.gpu_run --total-s 720   # more time: more of the benchmark's rows
     python -m benchmarks.gpu_run --smoke         # the same on the CPU, tiny sizes
+
+By default both fit in 570 s (gpu_check at most 300 s, the benchmark the rest, its most wanted
+rows first); with more time the benchmark also measures offload and compile rows.
 
 Writes gpu_check.json, gpu_bench.json, gpu_bench.md and gpu_run.md under --out-dir, else $OUT when
 set, else benchmarks/results/ (a temporary dir for --smoke).
