@@ -91,7 +91,7 @@ def _child_env(smoke: bool) -> dict[str, str]:
     if smoke:
         # Inductor takes ~2 minutes on two CPU cores: the compile rows go through strategy.compile
         # and module.compile() with torch.compile turned off (the row's `compiled` says so).
-        env["TORCH_COMPILE_DISABLE"] = "1"
+        env.update(TORCH_COMPILE_DISABLE="1", CUDA_VISIBLE_DEVICES="")
     return env
 
 
@@ -155,6 +155,13 @@ def versions() -> dict[str, Any]:
     return found
 
 
+def _device_name(smoke: bool) -> str:
+    """The GPU's name (when no row reported it: all failed), else "cpu"."""
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() and not smoke else "cpu"
+
+
 def _out_dir(given: Path | None, smoke: bool) -> Path:
     if given is not None:
         return given
@@ -203,7 +210,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "benchmark": "gpu_bench",
         "smoke": args.smoke,
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "device": next((r["gpu"] for r in rows if r.get("gpu")), "cpu"),
+        "device": next((r["gpu"] for r in rows if r.get("gpu")), None) or _device_name(args.smoke),
         "versions": versions(),
         "setup": setup.to_dict(),
         "installed_from_wheels": installed,

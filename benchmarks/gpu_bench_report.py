@@ -110,4 +110,19 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {e['setup']} | {_num(e['ours_over_deepspeed'], '.3f')} | {_num(e['ours_over_accelerate'], '.3f')} "
             f"| {_num(e['ours_over_lightning'], '.3f')} | {_num(e['ours_mfu'], '.1%')} | {same} | {missed} |"
         )
+    lines += _profiles(report)
     return "\n".join(lines) + "\n"
+
+
+def _profiles(report: dict[str, Any]) -> list[str]:
+    """Where a setup misses a target: the profile of each of its rows (steps after the window)."""
+    from benchmarks.step_profile import line
+
+    missed = [e["setup"] for e in report["ratios"] if e["misses"]]
+    out = []
+    for r in report["rows"]:
+        if r["setup"] in missed and r["status"] == "ok" and r.get("profile"):
+            out.append(f"- {r['setup']}, {r['framework']}: {line(r['profile'])}")
+    if not out:
+        return []
+    return ["", "Profiles where a target is missed (steps after the measured window):", "", *out]

@@ -99,7 +99,7 @@ def run_hydraspeed(row: dict[str, Any], setup: Setup) -> dict[str, Any]:
     optimizer = functools.partial(torch.optim.AdamW, lr=setup.lr)
     engine = Engine(model, "model", optimizer, strategy=strategy_of(row), callbacks=[Tick()])
     data = TokenData(setup, model.config.vocab_size)
-    engine.fit(data, batch_size=setup.micro_batch, max_steps=setup.total_steps, log_freq=10**9)
+    engine.fit(data, batch_size=setup.micro_batch, max_steps=setup.run_steps, log_freq=10**9)
     config = engine.runtime.config
     ran = engine.runtime.strategy.describe()
     return {**clock.result(fpt), "params": params, "config": digest(config), "ran": ran}
@@ -121,7 +121,7 @@ def run_deepspeed(row: dict[str, Any], setup: Setup) -> dict[str, Any]:
         engine.backward(loss)
         engine.step()
         clock.step()
-        if clock.count == setup.total_steps:
+        if clock.count == setup.run_steps:
             break
     return {**measured(clock, p), "config": digest(p["config"]), "ran": p["describe"]}
 
@@ -145,7 +145,7 @@ def run_accelerate(row: dict[str, Any], setup: Setup) -> dict[str, Any]:
         optimizer.step()
         optimizer.zero_grad()
         clock.step()
-        if clock.count == setup.total_steps:
+        if clock.count == setup.run_steps:
             break
     ran = f"{accelerator.distributed_type.value} {p['describe']}"
     return {**measured(clock, p), "config": config_digest, "ran": ran}
@@ -187,7 +187,7 @@ def run_lightning(row: dict[str, Any], setup: Setup) -> dict[str, Any]:
         strategy, ran = "auto", "single device, bf16-mixed, no DeepSpeed (its DeepSpeedStrategy needs CUDA)"
     trainer = L.Trainer(
         accelerator="cuda" if cuda else "cpu", devices=1, strategy=strategy, precision="bf16-mixed",
-        max_steps=setup.total_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        max_steps=setup.run_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[Tick()],
     )  # fmt: skip
     trainer.fit(Module(), loader(setup, p["model"].config.vocab_size, cuda))

@@ -49,12 +49,18 @@ class Setup:
     micro_batch: int = 8
     warmup: int = 3  # optimizer steps before the measured window
     steps: int = 8  # optimizer steps measured
+    profile_steps: int = 2  # after the measured ones, under the profiler (benchmarks/step_profile.py)
     lr: float = 1e-4
 
     @property
     def total_steps(self) -> int:
-        """Steps each row trains."""
+        """Steps up to the end of the measured window."""
         return self.warmup + self.steps
+
+    @property
+    def run_steps(self) -> int:
+        """Steps each row trains (the profiled ones included)."""
+        return self.total_steps + self.profile_steps
 
     def to_dict(self) -> dict[str, Any]:
         """Plain form, for the child process and the JSON."""
@@ -86,7 +92,7 @@ class TokenData(torch.utils.data.Dataset):
 
     def __init__(self, setup: Setup, vocab_size: int):
         g = torch.Generator().manual_seed(0)
-        n = setup.micro_batch * (setup.total_steps + 2)
+        n = setup.micro_batch * (setup.run_steps + 2)
         self.ids = torch.randint(0, vocab_size, (n, setup.seq), generator=g)
 
     def __len__(self) -> int:
@@ -129,13 +135,17 @@ def sync() -> None:
 
 class Clock:
     """Call `step()` after each optimizer step. The device is waited for only after the first
-    step (time to first step), at the start and at the end of the measured window."""
+    step (time to first step), at the start and at the end of the measured window; the steps after
+    it run under the profiler."""
 
     def __init__(self, setup: Setup):
+        from benchmarks.step_profile import StepProfile
+
         self.setup = setup
         self.count = 0
         self.first_step_s = float("nan")
         self.start = self.end = float("nan")
+        self.profile = StepProfile() if setup.profile_steps else None
 
     def step(self) -> None:
         """One optimizer step was issued."""
@@ -149,12 +159,16 @@ class Clock:
         if self.count == self.setup.total_steps:
             sync()
             self.end = time.perf_counter()
+            if self.profile:
+                self.profile.start()
+        if self.profile and self.count == self.setup.run_steps:
+            self.profile.stop(self.setup.profile_steps)
 
     def result(self, flops_per_token: float) -> dict[str, Any]:
         """Tokens/s, MFU, peak memory and time to first step of the window."""
         setup = self.setup
-        if self.count < setup.total_steps:
-            raise RuntimeError(f"trained {self.count} of {setup.total_steps} steps")
+        if self.count < setup.run_steps:
+            raise RuntimeError(f"trained {self.count} of {setup.run_steps} steps")
         tokens_per_s = setup.steps * setup.micro_batch * setup.seq / (self.end - self.start)
         peak = peak_flops()
         return {
@@ -162,6 +176,7 @@ class Clock:
             "mfu": tokens_per_s * flops_per_token / peak if peak else None,
             "peak_mem_GB": peak_memory_bytes() / 2**30,
             "first_step_s": self.first_step_s,
+            "profile": self.profile.summary if self.profile else None,
         }
 
 

@@ -108,6 +108,7 @@ def test_gpu_bench_smoke_runs_every_row_on_the_cpu(gpu_run_smoke):
             continue
         assert row["status"] == "ok", row
         assert row["tokens_per_s"] > 0 and row["first_step_s"] > 0 and row["peak_mem_GB"] > 0
+        assert row["profile"]["step_ms"] > 0  # the steps after the measured window, profiled
     assert {"accelerate", "lightning"} <= {r["framework"] for r in rows}
     offload = [r for r in rows if r["offload"] and r["status"] == "ok"]
     assert offload and all(r["ran"] == "ZeRO-3 | bf16" for r in offload)  # no accelerator: offload dropped
@@ -166,3 +167,29 @@ def test_gpu_bench_row_past_its_timeout_or_the_budget_is_reported_not_waited_for
     assert timed_out["status"] == "failed: timed out after 1 s"
     rows = run_all(SMOKE, smoke=False, base_timeout=75, budget_s=10, only="ZeRO-0 /")
     assert rows and all(r["status"] == "not run: time budget spent" for r in rows)
+
+
+def test_step_profile_summary_reads_busy_share_top_kernels_and_host_waits():
+    import types
+
+    from benchmarks.step_profile import summarise
+
+    def event(device, name, start, end):
+        return types.SimpleNamespace(
+            device_type=types.SimpleNamespace(name=device),
+            name=name,
+            time_range=types.SimpleNamespace(start=start, end=end),
+        )
+
+    events = [
+        event("CUDA", "gemm", 0, 400),
+        event("CUDA", "softmax", 300, 500),  # overlaps the gemm: busy 0-500
+        event("CUDA", "gemm", 800, 1000),  # a gap of 300 before it
+        event("CPU", "cudaStreamSynchronize", 500, 800),
+        event("CPU", "cudaMemcpyAsync", 100, 110),  # asynchronous: not a wait
+        event("CPU", "aten::mm", 0, 50),
+    ]
+    summary = summarise(events, wall_s=0.001, steps=2)
+    assert summary["gpu_busy"] == 0.7 and summary["step_ms"] == 0.5
+    assert summary["top_kernels_ms"] == [("gemm", 0.3), ("softmax", 0.1)]
+    assert summary["host_sync_calls"] == 0.5 and summary["host_sync_ms"] == 0.15
