@@ -40,6 +40,15 @@ from benchmarks.wheels import WHEELS, install_missing
 ROOT = Path(__file__).resolve().parents[1]
 PEERS = ["accelerate", "lightning"]
 NEEDED = ["transformers", *PEERS]
+LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "DS_ACCELERATOR",
+)
 
 
 def plan(smoke: bool, only: str | None = None) -> list[dict[str, Any]]:
@@ -73,20 +82,8 @@ def row_timeout(row: dict[str, Any], base: float) -> float:
 
 
 def _child_env(smoke: bool) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k
-        not in (
-            "RANK",
-            "WORLD_SIZE",
-            "LOCAL_RANK",
-            "LOCAL_SIZE",
-            "MASTER_ADDR",
-            "MASTER_PORT",
-            "DS_ACCELERATOR",
-        )
-    }
+    """This environment without a launcher's or an earlier run's variables, stamped with the start."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env.update(BENCH_T0=repr(time.time()), PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
     if smoke:
         # Inductor takes ~2 minutes on two CPU cores: the compile rows go through strategy.compile
