@@ -66,18 +66,24 @@ def _wheel_project(path: Path) -> str:
     return _canonical(parse_wheel_filename(path.name)[0])
 
 
+def to_install(wheels: Path) -> list[Path]:
+    """The wheels in `wheels` of projects not installed here that this Python and platform can
+    install (one built for another would fail the whole install)."""
+    installed = {_canonical(d.metadata["Name"]) for d in metadata.distributions() if d.metadata["Name"]}
+    supported = set(sys_tags())
+    return [
+        p
+        for p in sorted(wheels.glob("*.whl"))
+        if _wheel_project(p) not in installed and supported & set(parse_wheel_filename(p.name)[3])
+    ]
+
+
 def install_missing(modules: list[str], wheels: Path = WHEELS) -> list[str]:
     """When one of `modules` cannot be found and `wheels` has wheels: install, without network or
     dependency resolution, the wheels of every project not installed here. Returns their names."""
     if all(importlib.util.find_spec(m) is not None for m in modules) or not wheels.is_dir():
         return []
-    installed = {_canonical(d.metadata["Name"]) for d in metadata.distributions() if d.metadata["Name"]}
-    supported = set(sys_tags())  # a wheel built for another Python or platform would fail the install
-    chosen = [
-        p
-        for p in sorted(wheels.glob("*.whl"))
-        if _wheel_project(p) not in installed and supported & set(parse_wheel_filename(p.name)[3])
-    ]
+    chosen = to_install(wheels)
     if not chosen:
         return []
     cmd = [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", *map(str, chosen)]

@@ -158,6 +158,19 @@ def test_peer_wheels_cover_what_the_peers_import_but_not_torch():
     assert install_missing(["json"]) == []  # nothing missing: nothing installed
 
 
+def test_peer_wheels_install_only_what_is_missing_and_fits_this_python(tmp_path):
+    from benchmarks.wheels import to_install
+
+    names = [
+        "torch-9.9.9-py3-none-any.whl",  # installed here: left alone
+        "not_installed_here-1.0-py3-none-any.whl",
+        "other_platform-1.0-cp27-cp27m-win32.whl",  # would fail the install
+    ]
+    for name in names:
+        (tmp_path / name).write_bytes(b"")
+    assert [p.name for p in to_install(tmp_path)] == ["not_installed_here-1.0-py3-none-any.whl"]
+
+
 def test_gpu_bench_row_past_its_timeout_or_the_budget_is_reported_not_waited_for():
     from benchmarks.gpu_bench import run_all, run_rows
     from benchmarks.llm import SMOKE
