@@ -14,7 +14,8 @@ on the CPU.
 4. an injected fp16 overflow skips exactly one step, with and without accumulation; step and LR agree
 5. checkpoint, resume and export on the device; a rank file saved there loads in a CPU-only process
 6. no host sync per training step outside logging steps (torch.cuda.set_sync_debug_mode)
-7. host-to-device copies overlap compute (profiler), and prefetch 2 is no slower than prefetch 0
+7. batch copies run on a side stream beside the kernels of a ~100 M GPT (profiler; benchmarks/gpu_overlap.py),
+   and prefetch 2 is no slower than prefetch 0
 8. device memory per ZeRO stage for a ~25 M GPT next to Engine.cost()
 9. train.py end to end on the device; trainer.accelerator=cpu on the same machine trains on the CPU
 """
@@ -38,6 +39,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import RESULTS, machine, parse_args, quiet
+from benchmarks.gpu_overlap import check_overlap
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -326,44 +328,6 @@ def check_host_syncs(cuda: bool, steps: int) -> dict[str, Any]:
     return {"ok": not syncs and not explicit, "detail": detail}
 
 
-def check_overlap(cuda: bool, steps: int) -> dict[str, Any]:
-    """Copies on a side stream overlapping compute (profiler), and prefetch 2 <= prefetch 0 in step time."""
-    from benchmarks.common import StepTimes, median
-
-    times = {}
-    for depth in (0, 2):
-        timer = StepTimes()
-        engine = _engine(0, prefetch=depth, callbacks=[timer])
-        _fit_losses(engine, steps + 5)
-        times[depth] = median(timer.times)
-        _teardown()
-    detail: dict[str, Any] = {"step_ms": {k: v * 1000 for k, v in times.items()}}
-    if not cuda:  # nothing to copy on the CPU: the loop ran, the timing says nothing about overlap
-        return {"ok": True, "skipped": True, "detail": detail}
-    ok = times[2] <= times[0] * 1.05
-    if cuda:
-        from torch.profiler import ProfilerActivity, profile
-
-        engine = _engine(0)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            _fit_losses(engine, 6)
-        _teardown()
-        events = [e for e in prof.events() if e.device_type.name == "CUDA"]
-        copies = [e for e in events if "Memcpy HtoD" in e.name]
-        kernels = [e for e in events if "Memcpy" not in e.name]
-        overlapping = sum(
-            1
-            for c in copies
-            if any(
-                k.time_range.start < c.time_range.end and c.time_range.start < k.time_range.end
-                for k in kernels
-            )
-        )
-        detail.update(h2d_copies=len(copies), overlapping_compute=overlapping)
-        ok &= overlapping > 0
-    return {"ok": ok, "detail": detail}
-
-
 def check_memory(cuda: bool, steps: int) -> dict[str, Any]:
     """Peak device memory per ZeRO stage for a ~25 M GPT (one rank), next to Engine.cost()."""
     from framework import Engine, Strategy
@@ -460,38 +424,44 @@ def main(argv: list[str] | None = None) -> int:
 
     device.select_accelerator("cuda" if cuda else "cpu")
     steps = 20 if cuda else 6
-    checks = []
-    for name, check in CHECKS:
-        start = time.perf_counter()
-        try:
-            result = check(cuda, steps)
-        except Exception as exc:  # noqa: BLE001 - a check that crashes fails, the others still run
-            result = {
-                "ok": False,
-                "detail": f"{type(exc).__name__}: {exc}",
-                "trace": traceback.format_exc()[-2000:],
-            }
-            _teardown()
-        result = {"name": name, "seconds": round(time.perf_counter() - start, 1), **result}
-        state = "skipped" if result.get("skipped") else ("ok" if result["ok"] else "FAILED")
-        print(
-            f"{name:16s} {state:8s} {result['seconds']:6.1f} s  {json.dumps(result['detail'], default=str)[:300]}",
-            flush=True,
-        )
-        checks.append(result)
-    report = {
-        "benchmark": "gpu_check",
-        "device": "cuda" if cuda else "cpu",
-        "gpu": torch.cuda.get_device_name(0) if cuda else None,
-        "machine": machine(),
-        "passed": all(c["ok"] for c in checks),
-        "checks": checks,
-    }
     out_dir = _out_dir(args.out_dir, args.smoke)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
+    checks: list[dict[str, Any]] = []
+    for name, check in CHECKS:
+        checks.append(_run_check(name, check, cuda, steps))
+        # after every check: a run stopped from outside (a time limit) keeps what it found so far
+        report = {
+            "benchmark": "gpu_check",
+            "device": "cuda" if cuda else "cpu",
+            "gpu": torch.cuda.get_device_name(0) if cuda else None,
+            "machine": machine(),
+            "passed": all(c["ok"] for c in checks) and len(checks) == len(CHECKS),
+            "checks": checks,
+        }
+        (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
     print(f"{'passed' if report['passed'] else 'FAILED'}: {out_dir / 'gpu_check.json'}")
     return 0 if report["passed"] else 1
+
+
+def _run_check(
+    name: str, check: Callable[[bool, int], dict[str, Any]], cuda: bool, steps: int
+) -> dict[str, Any]:
+    """One check, timed; a crash is a failed check (the others still run); one line printed."""
+    start = time.perf_counter()
+    try:
+        result = check(cuda, steps)
+    except Exception as exc:  # noqa: BLE001 - a check that crashes fails, the others still run
+        result = {
+            "ok": False,
+            "detail": f"{type(exc).__name__}: {exc}",
+            "trace": traceback.format_exc()[-2000:],
+        }
+        _teardown()
+    result = {"name": name, "seconds": round(time.perf_counter() - start, 1), **result}
+    state = "skipped" if result.get("skipped") else ("ok" if result["ok"] else "FAILED")
+    detail = json.dumps(result["detail"], default=str)[:300]
+    print(f"{name:16s} {state:8s} {result['seconds']:6.1f} s  {detail}", flush=True)
+    return result
 
 
 if __name__ == "__main__":

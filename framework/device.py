@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from framework import deepspeed_globals
 from framework.allocator import tune_host_allocator
 
 # Environment variables this process set itself for a launcher-less single process; removed on teardown.
@@ -65,6 +66,7 @@ def select_accelerator(choice: str = "auto") -> str:
         raise ConfigError(f"trainer.accelerator={choice} comes after DeepSpeed started on {_accelerator}")
     _accelerator = choice
     os.environ["DS_ACCELERATOR"] = choice
+    deepspeed_globals.use_accelerator(choice)
     return choice
 
 
@@ -293,29 +295,12 @@ def destroy_process_group(sync: bool = True, timeout_s: float = 30.0) -> None:
             with contextlib.suppress(RuntimeError):  # a rank that never came: tear down anyway
                 dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s))
         dist.destroy_process_group()
-        _forget_deepspeed_groups()
+        deepspeed_globals.forget_groups()
     _we_initialized = False
     while _owned_env:
         os.environ.pop(_owned_env.pop(), None)
     os.environ.update(_replaced_env)
     _replaced_env.clear()
-
-
-def _forget_deepspeed_groups() -> None:
-    """DeepSpeed caches process groups in module globals; after the group is destroyed they are
-    stale and the next job in this process (a Hydra sweep, a test) would fail on them."""
-    with contextlib.suppress(ImportError):
-        import deepspeed.comm as ds_comm
-        from deepspeed.utils import groups
-
-        ds_comm.cdb = None
-        for name, value in list(vars(groups).items()):
-            if not (name.startswith("_") and name.isupper() and "GROUP" in name):
-                continue
-            if isinstance(value, dict):
-                value.clear()
-            elif value is not None and not isinstance(value, (int, str)):
-                setattr(groups, name, None)
 
 
 # Waits on long work of one rank (rank 0 hashing, fsyncing, converting a large checkpoint) go

@@ -1,14 +1,13 @@
 """The CUDA path, checked where a CPU can: exports from fp32 masters under mixed precision, rank
 files that load on any device, no host sync in the framework's step path, skipped fp16 steps
-counted without drift, the accelerator choice; `benchmarks.gpu_check --smoke` runs the GPU check
-script itself on the CPU."""
+counted without drift, the accelerator choice, gpu_check's overlap criterion
+(tests/test_benchmarks.py runs the GPU check script itself on the CPU)."""
 
 from __future__ import annotations
 
 import collections
 import functools
 import os
-import sys
 import traceback
 import types
 
@@ -22,7 +21,7 @@ from framework.export import fp32_state_dict
 from framework.models import MLP
 from framework.weights import load_weights
 
-from .conftest import FAST, fails_cleanly, run_cmd, run_train, torchrun
+from .conftest import FAST, fails_cleanly, run_cmd, run_train, subprocess_env, torchrun
 
 DATA = synthetic(num_samples=512)
 
@@ -257,18 +256,54 @@ def test_accelerator_cuda_without_a_gpu_is_one_line(tmp_path):
     )
 
 
+def test_accelerator_cpu_tells_deepspeed_after_it_chose_cuda(monkeypatch):
+    """DeepSpeed fixes its accelerator on import (CUDA on a GPU machine), before a run decides:
+    choosing the CPU afterwards must switch DeepSpeed too, or the engine puts the weights on cuda:0
+    while the framework's batches stay on the CPU."""
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+    from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+
+    before = get_accelerator()
+    monkeypatch.setattr(device, "_accelerator", None)
+    set_accelerator(CUDA_Accelerator())  # what `import deepspeed` picks on a GPU machine
+    try:
+        assert device.select_accelerator("cpu") == "cpu"
+        assert get_accelerator().device_name() == "cpu" and os.environ["DS_ACCELERATOR"] == "cpu"
+    finally:
+        set_accelerator(before)
+
+
 def test_accelerator_cpu_trains_on_the_cpu(tmp_path):
-    run = run_train(["trainer.accelerator=cpu", *FAST, "trainer.max_steps=2"], tmp_path)
+    # DS_ACCELERATOR=cuda makes DeepSpeed pick CUDA on import, as it does on a GPU machine (and as a
+    # parent process that trained on the GPU leaves it): the run must still train on the CPU.
+    env = subprocess_env(DS_ACCELERATOR="cuda")
+    run = run_train(["trainer.accelerator=cpu", *FAST, "trainer.max_steps=2"], tmp_path, env=env)
     assert run.returncode == 0 and "process(es) on cpu" in run.stdout, run.stderr[-2000:]
 
 
-def test_gpu_check_smoke_runs_on_the_cpu(tmp_path):
-    run = run_cmd(
-        [sys.executable, "-m", "benchmarks.gpu_check", "--smoke", "--out-dir", str(tmp_path)], timeout=600
-    )
-    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
-    import json
+def test_gpu_check_overlap_criterion_counts_batch_copies_beside_kernels():
+    """The profiler criterion of gpu_check's `overlap`: batch copies (pinned host memory) on a side
+    stream inside a kernel's time span count; one on the compute stream is named; pageable copies
+    of scalars (DeepSpeed's, torch's) are not batch copies."""
+    from benchmarks.gpu_overlap import copy_overlap
 
-    report = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert report["passed"] and report["device"] == "cpu" and len(report["checks"]) >= 8
-    assert all(c["ok"] for c in report["checks"] if not c.get("skipped")), report["checks"]
+    def event(cat, ts, dur, stream, name="k"):
+        return {"cat": cat, "ts": ts, "dur": dur, "name": name, "args": {"stream": stream}}
+
+    pinned, pageable = "Memcpy HtoD (Pinned -> Device)", "Memcpy HtoD (Pageable -> Device)"
+    events = [event("kernel", t, 9.0, 7) for t in range(100, 400, 10)]  # a busy compute stream
+    events += [
+        event("gpu_memcpy", 1, 1, 20, pinned),
+        event("gpu_memcpy", 3, 1, 20, pinned),
+    ]  # before any kernel
+    events += [event("gpu_memcpy", 150, 2, 20, pinned), event("gpu_memcpy", 251, 1, 20, pinned)]
+    events += [event("gpu_memcpy", 500, 1, 20, pinned)]  # after the last kernel
+    events += [event("gpu_memcpy", 305, 1, 7, pinned), event("gpu_memcpy", 200, 1, 7, pageable)]
+    stats = copy_overlap(events)
+    assert stats == {
+        "batch_copies": 6,
+        "on_compute_stream": 1,
+        "overlapping_a_kernel": 3,
+        "batch_copies_after_first": 4,
+        "other_h2d_copies": 1,
+    }
