@@ -30,6 +30,7 @@ from framework.checkpoint import preemption
 from framework.config import check_schema
 from framework.engine import Engine
 from framework.errors import ConfigError
+from framework.integrations import hf
 from framework.launch import check_launched_devices
 from framework.loggers import MetricsFile
 from framework.loops import FitConfig
@@ -266,7 +267,23 @@ def _fit(cfg: DictConfig, engine: Engine, splits: Any, ckpt_dir: Path) -> dict[s
     if t.init_from and not (t.resume and (t.resume != "auto" or checkpoint.find_resumable(ckpt_dir))):
         engine.prepare("train", int(t.batch_size))
         engine.load(str(t.init_from))  # a fresh start from these weights
-    return engine.fit(splits.train, splits.valid, **build_fit_config(cfg, ckpt_dir, preempt).as_kwargs())
+    kwargs = build_fit_config(cfg, ckpt_dir, preempt).as_kwargs()
+    if kwargs["collate_fn"] is None:  # the data's own (e.g. padding for text classification)
+        kwargs["collate_fn"] = getattr(splits, "collate_fn", None)
+    return engine.fit(splits.train, splits.valid, **kwargs)
+
+
+def _tokenizer_from_model_dir(cfg: DictConfig) -> None:
+    """`data.dataset.tokenizer` left unset and a model loaded from a directory that holds a
+    tokenizer: that one (said in one line; the saved config.yaml records it)."""
+    node = cfg.data.dataset
+    if "tokenizer" not in node or node.tokenizer is not None:
+        return
+    found = hf.tokenizer_dir(cfg.model)
+    if found is not None:
+        node.tokenizer = str(found)
+        if dev.is_main_process():
+            print(f"data: the tokenizer of {found} (the model's directory; data.dataset.tokenizer to change)")
 
 
 def train(cfg: DictConfig, output_dir: str | None, context: dict[str, Any] | None = None) -> float | None:
@@ -280,6 +297,7 @@ def train(cfg: DictConfig, output_dir: str | None, context: dict[str, Any] | Non
         _with_key("trainer.batch_size", runtime.fix_layout, int(t.batch_size))
         if dev.launched():
             check_launched_devices(int(t.devices))
+        _tokenizer_from_model_dir(cfg)
         out = Path(dev.broadcast_object(output_dir or os.path.join("outputs", "run")))
         context = dict(
             context or {}, output_dir=str(out), run_config=OmegaConf.to_container(cfg, resolve=True)
@@ -288,13 +306,16 @@ def train(cfg: DictConfig, output_dir: str | None, context: dict[str, Any] | Non
             out.mkdir(parents=True, exist_ok=True)
             (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         seed_everything(t.seed)
-        splits = instantiate(cfg.data.dataset)
+        splits = hf.as_splits(instantiate(cfg.data.dataset))
         engine = build_engine(cfg, runtime, _callbacks(cfg, out, context) if not cfg.dry_run else [])
+        hf.adopt(engine.module, splits)  # the tokenizer fits the model; class names into its config
         if cfg.dry_run:
             if dev.is_main_process():
                 print_plan(engine)
             return None
         ckpt_dir = checkpoint_dir(cfg, out)
+        if t.checkpoint.enabled:
+            hf.keep_tokenizer(splits, ckpt_dir)
         history = _fit(cfg, engine, splits, ckpt_dir)
         if dev.is_main_process() and engine.state.stop_reason.startswith("preempted"):
             print(

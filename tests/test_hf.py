@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import ast
 import functools
+import json
+import random
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from framework import Engine, Strategy, device
 
-from .conftest import ROOT
+from .conftest import ROOT, run_cmd, run_train
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(300)
@@ -154,3 +157,203 @@ def test_the_readmes_install_line_brings_everything_the_hf_features_import():
         if Requirement(r).marker is not None and Requirement(r).marker.evaluate({"extra": "deepspeed"})
     ]
     assert needed and {canonicalize_name(r.name) for r in needed} <= installed
+
+
+# ------------------------------------------------------------------------------------- tokenizers, classification
+
+WORDS = "apple river stone cloud green quiet fast paper window music light table".split()
+
+
+def rule_rows(n: int = 600, seed: int = 0) -> list[dict[str, str]]:
+    """Generated (text, label) rows: "sunny" exactly when the word "sun" is in the text."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        words = rng.choices(WORDS, k=rng.randint(4, 10))
+        label = rng.choice(["sunny", "rainy"])
+        if label == "sunny":
+            words.insert(rng.randrange(len(words) + 1), "sun")
+        rows.append({"text": " ".join(words), "label": label})
+    return rows
+
+
+def word_tokenizer(texts: list[str]) -> Any:
+    """A word-level tokenizer trained on `texts` with the `tokenizers` library (no download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(
+        texts, trainers.WordLevelTrainer(special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]"])
+    )
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]"
+    )
+
+
+def tiny_bert(vocab_size: int, num_labels: int = 2) -> torch.nn.Module:
+    config = transformers.BertConfig(
+        vocab_size=vocab_size, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=32, num_labels=num_labels,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return transformers.BertForSequenceClassification(config)
+
+
+@pytest.fixture(scope="module")
+def classification_files(tmp_path_factory) -> Path:
+    """rows.jsonl / rows.csv / rows.parquet of the same rows, and a tokenizer dir trained on them."""
+    import datasets
+
+    root = tmp_path_factory.mktemp("cls")
+    rows = rule_rows()
+    (root / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    table = datasets.Dataset.from_list(rows)
+    table.to_csv(str(root / "rows.csv"), index=False)
+    table.to_parquet(str(root / "rows.parquet"))
+    word_tokenizer([r["text"] for r in rows]).save_pretrained(root / "tokenizer")
+    return root
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "csv", "parquet"])
+def test_classification_rows_from_jsonl_csv_and_parquet(classification_files, suffix):
+    from framework.datasets.text_classification import hf_classification
+
+    splits = hf_classification(
+        str(classification_files / f"rows.{suffix}"), tokenizer=str(classification_files / "tokenizer")
+    )
+    assert splits.labels == ["rainy", "sunny"] and (len(splits.train), len(splits.valid)) == (540, 60)
+    batch = splits.collate_fn([splits.train[i] for i in range(4)])
+    assert set(batch) == {"input_ids", "attention_mask", "labels"}
+    lengths = batch["attention_mask"].sum(1)
+    assert batch["input_ids"].shape[1] == int(lengths.max()) and int(lengths.min()) < int(lengths.max())
+    pad = splits.tokenizer.pad_token_id
+    assert all((row[n:] == pad).all() for row, n in zip(batch["input_ids"], lengths.tolist()))
+    sun = splits.tokenizer.convert_tokens_to_ids("sun")
+    assert [int((row == sun).any()) for row in batch["input_ids"]] == batch["labels"].tolist()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_tiny_bert_learns_a_generated_rule_from_a_jsonl_file(classification_files, stage):
+    from framework.datasets.text_classification import hf_classification
+    from framework.integrations import hf
+    from framework.metrics import Accuracy
+
+    splits = hf_classification(
+        str(classification_files / "rows.jsonl"), tokenizer=str(classification_files / "tokenizer")
+    )
+    torch.manual_seed(0)
+    model = tiny_bert(len(splits.tokenizer))
+    hf.adopt(model, splits)
+    assert model.config.id2label == {0: "rainy", 1: "sunny"} and model.config.label2id["sunny"] == 1
+    engine = Engine(
+        model,
+        "model",
+        functools.partial(torch.optim.AdamW, lr=3e-3),
+        metrics={"accuracy": Accuracy()},
+        strategy=Strategy(sharding={"stage": stage}),
+    )
+    history = engine.fit(splits.train, splits.valid, epochs=2, batch_size=32, collate_fn=splits.collate_fn)
+    assert history["val_accuracy"][-1] >= 0.9
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_one_line_naming_both(classification_files):
+    from framework import ConfigError
+    from framework.datasets.text_classification import hf_classification
+    from framework.integrations import hf
+
+    splits = hf_classification(
+        str(classification_files / "rows.jsonl"), tokenizer=str(classification_files / "tokenizer")
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"the tokenizer has 17 tokens but BertForSequenceClassification's vocabulary has 12",
+    ):
+        hf.adopt(tiny_bert(12), splits)
+    with pytest.raises(ConfigError, match=r"the data has 2 classes \(rainy, sunny\) but .* num_labels=3"):
+        hf.adopt(tiny_bert(17, num_labels=3), splits)
+    hf.adopt(tiny_bert(20), splits)  # a larger vocabulary is fine (padded embeddings)
+
+
+def test_a_dataset_target_may_return_a_dataset_dict():
+    import datasets
+
+    from framework import ConfigError
+    from framework.datasets import Splits
+    from framework.integrations import hf
+
+    rows = datasets.Dataset.from_dict({"input_ids": [[1, 2], [3, 4], [5, 6]], "labels": [0, 1, 0]})
+    splits = hf.as_splits(datasets.DatasetDict(train=rows, validation=rows.select([0])))
+    assert isinstance(splits, Splits) and len(splits.train) == 3 and len(splits.valid) == 1
+    assert torch.equal(splits.train[1]["input_ids"], torch.tensor([3, 4]))  # tensors, ready to batch
+    with pytest.raises(
+        ConfigError, match=r"data.dataset returned splits \['train', 'extra'\]: name one 'validation'"
+    ):
+        hf.as_splits(datasets.DatasetDict(train=rows, extra=rows))
+    with pytest.raises(
+        ConfigError, match="returned a list: a dataset target returns framework.datasets.Splits"
+    ):
+        hf.as_splits([rows, rows])
+
+
+@pytest.mark.slow
+def test_the_cli_fine_tunes_a_classifier_dir_and_exports_it_with_its_tokenizer_and_class_names(
+    classification_files, tmp_path
+):
+    """A BERT dir holding its tokenizer, `data=hf_classification` naming none: the run takes the
+    model's (one line), learns the rule, and `export --hf` writes a dir whose model names the
+    classes and whose tokenizer is the one it trained with."""
+    model_dir = tmp_path / "bert"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(classification_files / "tokenizer")
+    torch.manual_seed(0)
+    tiny_bert(len(tokenizer)).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    run = run_train(
+        [
+            "model=hf_sequence_classification", f"model.path={model_dir}", "model.num_labels=2",
+            "data=hf_classification", f"data.dataset.data_files={classification_files / 'rows.jsonl'}",
+            "loss=model", "metrics.accuracy.num_classes=2", "scheduler=constant", "trainer.epochs=2",
+            "trainer.batch_size=32", "trainer.log_every=5",
+        ],
+        tmp_path / "run",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"data: the tokenizer of {model_dir}" in run.stdout
+    assert json.loads((tmp_path / "run" / "final_metrics.json").read_text())["val_accuracy"] >= 0.9
+    out = tmp_path / "exported"
+    export = run_cmd(
+        [sys.executable, "-m", "framework.export", str(tmp_path / "run" / "checkpoints"), str(out), "--hf"]
+    )
+    assert export.returncode == 0, export.stderr
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(out)
+    assert model.config.id2label == {0: "rainy", 1: "sunny"} and model.config.label2id == {
+        "rainy": 0,
+        "sunny": 1,
+    }
+    reloaded = transformers.AutoTokenizer.from_pretrained(out)
+    assert reloaded.get_vocab() == tokenizer.get_vocab()
+    with torch.no_grad():
+        logits = model(**reloaded(["apple sun river", "apple stone river"], return_tensors="pt")).logits
+    assert [model.config.id2label[int(i)] for i in logits.argmax(-1)] == ["sunny", "rainy"]
+
+
+def test_hf_text_takes_the_tokenizer_of_the_models_directory(tmp_path, capsys):
+    """model.path=DIR with a tokenizer in it and data=hf_text naming none: DIR is the tokenizer
+    (before, the bytes of the text were the tokens, silently); a dir without one changes nothing."""
+    from omegaconf import OmegaConf
+
+    from framework.build import _tokenizer_from_model_dir
+
+    word_tokenizer([r["text"] for r in rule_rows(50)]).save_pretrained(tmp_path / "with")
+    (tmp_path / "without").mkdir()
+    for model_dir, expected in ((tmp_path / "with", str(tmp_path / "with")), (tmp_path / "without", None)):
+        cfg = OmegaConf.create(
+            {
+                "model": OmegaConf.load(ROOT / "conf" / "model" / "hf_causal_lm.yaml"),
+                "data": OmegaConf.load(ROOT / "conf" / "data" / "hf_text.yaml"),
+            }
+        )
+        cfg.model.path = str(model_dir)
+        _tokenizer_from_model_dir(cfg)
+        assert cfg.data.dataset.tokenizer == expected
+    assert capsys.readouterr().out.count("data: the tokenizer of") == 1
