@@ -357,3 +357,35 @@ def test_hf_text_takes_the_tokenizer_of_the_models_directory(tmp_path, capsys):
         _tokenizer_from_model_dir(cfg)
         assert cfg.data.dataset.tokenizer == expected
     assert capsys.readouterr().out.count("data: the tokenizer of") == 1
+
+
+# ------------------------------------------------------------------------------------- schedules
+
+
+def lrs(schedule, steps: int) -> list[float]:
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = schedule(optimizer)
+    out = []
+    for _ in range(steps):
+        out.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return out
+
+
+def test_warm_up_takes_absolute_steps_as_well_as_a_fraction():
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.load(ROOT / "conf" / "scheduler" / "cosine.yaml")
+    by_fraction = lrs(functools.partial(instantiate(node), total_steps=100), 100)
+    assert by_fraction[:5] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0])  # 5 % of 100 steps
+    node.warmup_steps = 10
+    by_steps = lrs(functools.partial(instantiate(node), total_steps=100), 100)
+    assert by_steps[:10] == pytest.approx([(i + 1) / 10 for i in range(10)]) and by_steps[10] == 1.0
+    assert by_steps[-1] == pytest.approx(0.1, abs=1e-3) and by_steps[55] == pytest.approx(0.55)  # cosine
+    constant = OmegaConf.load(ROOT / "conf" / "scheduler" / "constant.yaml")
+    constant.warmup_steps = 4
+    assert lrs(functools.partial(instantiate(constant), total_steps=100), 6) == pytest.approx(
+        [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    )
