@@ -408,3 +408,22 @@ def test_the_parameter_count_of_a_model_directory_is_its_models(tmp_path, tied):
     model.save_pretrained(tmp_path)
     node = OmegaConf.create({"_target_": "framework.models.hf.causal_lm", "path": str(tmp_path)})
     assert count_parameters(node) == sum(p.numel() for p in model.parameters())
+
+
+def test_a_resumed_run_says_from_which_step_and_checkpoint(tmp_path, capsys):
+    from framework.datasets import synthetic
+    from framework.models import MLP
+
+    data = synthetic(num_samples=256).train
+
+    def engine() -> Engine:
+        torch.manual_seed(0)
+        return Engine(
+            MLP(hidden=[16]), torch.nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1)
+        )
+
+    engine().fit(data, epochs=1, batch_size=32, max_steps=3, save_dir=str(tmp_path))
+    device.destroy_process_group()
+    assert "resumed from" not in capsys.readouterr().out
+    engine().fit(data, epochs=2, batch_size=32, max_steps=5, save_dir=str(tmp_path), resume="auto")
+    assert f"resumed from step 3 ({tmp_path / 'step_00000003'})" in capsys.readouterr().out
