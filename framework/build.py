@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import math
@@ -23,7 +24,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from framework import checkpoint, construct
+from framework import checkpoint, construct, runlog
 from framework import device as dev
 from framework.callbacks import Callback
 from framework.checkpoint import preemption
@@ -293,17 +294,18 @@ def train(cfg: DictConfig, output_dir: str | None, context: dict[str, Any] | Non
     dev.select_accelerator(str(t.accelerator))
     dev.use_tf32(bool(t.tf32))
     runtime = Runtime(build_strategy(cfg))
-    with dev.process_group(timeout_s=t.timeout_s):
+    with dev.process_group(timeout_s=t.timeout_s), contextlib.ExitStack() as console_copy:
         _with_key("trainer.batch_size", runtime.fix_layout, int(t.batch_size))
         if dev.launched():
             check_launched_devices(int(t.devices))
-        _tokenizer_from_model_dir(cfg)
         out = Path(dev.broadcast_object(output_dir or os.path.join("outputs", "run")))
-        context = dict(
-            context or {}, output_dir=str(out), run_config=OmegaConf.to_container(cfg, resolve=True)
-        )
+        context = dict(context or {}, output_dir=str(out))
         if dev.is_main_process():
             out.mkdir(parents=True, exist_ok=True)
+            console_copy.enter_context(runlog.tee(Path(context.get("log_file") or out / "train.log")))
+        _tokenizer_from_model_dir(cfg)
+        context["run_config"] = OmegaConf.to_container(cfg, resolve=True)
+        if dev.is_main_process():
             (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         seed_everything(t.seed)
         splits = hf.as_splits(instantiate(cfg.data.dataset))

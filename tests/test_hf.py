@@ -319,6 +319,8 @@ def test_the_cli_fine_tunes_a_classifier_dir_and_exports_it_with_its_tokenizer_a
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     assert f"data: the tokenizer of {model_dir}" in run.stdout
+    log = (tmp_path / "run" / "train.log").read_text()  # the console, also in the run dir
+    assert f"data: the tokenizer of {model_dir}" in log and "throughput:" in log
     assert json.loads((tmp_path / "run" / "final_metrics.json").read_text())["val_accuracy"] >= 0.9
     out = tmp_path / "exported"
     export = run_cmd(
@@ -427,3 +429,15 @@ def test_a_resumed_run_says_from_which_step_and_checkpoint(tmp_path, capsys):
     assert "resumed from" not in capsys.readouterr().out
     engine().fit(data, epochs=2, batch_size=32, max_steps=5, save_dir=str(tmp_path), resume="auto")
     assert f"resumed from step 3 ({tmp_path / 'step_00000003'})" in capsys.readouterr().out
+
+
+def test_the_console_copy_keeps_plain_lines_and_leaves_live_redraws_out(tmp_path, capsys):
+    from framework.runlog import tee
+
+    log = tmp_path / "train.log"
+    with tee(log):
+        print("\x1b[1mBertForSequenceClassification\x1b[0m (11,362 parameters)")
+        sys.stdout.write("\r\x1b[2K\x1b[1Aepoch 1/2 ━━━━━━ 3/17\n")  # a progress bar redrawing itself
+        print("Error: something", file=sys.stderr)
+    assert log.read_text() == "BertForSequenceClassification (11,362 parameters)\nError: something\n"
+    assert "epoch 1/2" in capsys.readouterr().out  # the terminal still gets everything
