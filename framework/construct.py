@@ -225,7 +225,10 @@ def _announce(whole: bool, mode: str, why: str, parameters: int = 0) -> None:
     """The one line saying how the model is built."""
     if not dev.is_main_process():
         return
-    count = f"{parameters / 1e6:,.1f} M parameters, " if parameters else ""
+    count = ""
+    if parameters:
+        count = f"{parameters / 1e6:,.1f} M" if parameters >= 10**6 else f"{parameters:,}"
+        count += " parameters, "
     how = (
         "built whole, then partitioned by DeepSpeed"
         if whole
