@@ -27,8 +27,13 @@ class ByteTokenizer:
     vocab_size = BYTE_VOCAB_SIZE
     pad_token_id = 0
 
-    def __call__(self, texts: list[str], **_: Any) -> dict[str, list[list[int]]]:
-        return {"input_ids": [list(text.encode("utf-8")) for text in texts]}
+    def __call__(
+        self, texts: list[str], truncation: bool = False, max_length: int | None = None
+    ) -> dict[str, list[list[int]]]:
+        ids = [list(text.encode("utf-8")) for text in texts]
+        if truncation and max_length:
+            ids = [row[:max_length] for row in ids]
+        return {"input_ids": ids, "attention_mask": [[1] * len(row) for row in ids]}
 
     def __len__(self) -> int:
         return BYTE_VOCAB_SIZE
