@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import math
@@ -23,7 +24,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from framework import checkpoint, construct
+from framework import checkpoint, construct, runlog
 from framework import device as dev
 from framework.callbacks import Callback
 from framework.checkpoint import preemption
@@ -31,6 +32,7 @@ from framework.config import RENAMED, check_schema
 from framework.engine import Engine
 from framework.errors import ConfigError
 from framework.fit_config import FitConfig
+from framework.integrations import hf
 from framework.launch import check_launched_devices
 from framework.loggers import MetricsFile
 from framework.plan import batch_layout
@@ -278,7 +280,23 @@ def _fit(cfg: DictConfig, engine: Engine, splits: Any, ckpt_dir: Path) -> dict[s
     if t.init_from and not (t.resume and (t.resume != "auto" or checkpoint.find_resumable(ckpt_dir))):
         engine.prepare("train", int(t.batch_size))
         engine.load(str(t.init_from))  # a fresh start from these weights
-    return engine.fit(splits.train, splits.valid, **build_fit_config(cfg, ckpt_dir, preempt).as_kwargs())
+    kwargs = build_fit_config(cfg, ckpt_dir, preempt).as_kwargs()
+    if kwargs["collate_fn"] is None:  # the data's own (e.g. padding for text classification)
+        kwargs["collate_fn"] = getattr(splits, "collate_fn", None)
+    return engine.fit(splits.train, splits.valid, **kwargs)
+
+
+def _tokenizer_from_model_dir(cfg: DictConfig) -> None:
+    """`data.dataset.tokenizer` left unset and a model loaded from a directory that holds a
+    tokenizer: that one (said in one line; the saved config.yaml records it)."""
+    node = cfg.data.dataset
+    if "tokenizer" not in node or node.tokenizer is not None:
+        return
+    found = hf.tokenizer_dir(cfg.model)
+    if found is not None:
+        node.tokenizer = str(found)
+        if dev.is_main_process():
+            print(f"data: the tokenizer of {found} (the model's directory; data.dataset.tokenizer to change)")
 
 
 def train(cfg: DictConfig, output_dir: str | None, context: dict[str, Any] | None = None) -> float | None:
@@ -288,25 +306,30 @@ def train(cfg: DictConfig, output_dir: str | None, context: dict[str, Any] | Non
     dev.select_accelerator(str(t.accelerator))
     dev.use_tf32(bool(t.tf32))
     runtime = Runtime(build_strategy(cfg))
-    with dev.process_group(timeout_s=t.timeout_s):
+    with dev.process_group(timeout_s=t.timeout_s), contextlib.ExitStack() as console_copy:
         _with_key("trainer.batch_size", runtime.fix_layout, int(t.batch_size))
         if dev.launched():
             check_launched_devices(int(t.devices))
         out = Path(dev.broadcast_object(output_dir or os.path.join("outputs", "run")))
-        context = dict(
-            context or {}, output_dir=str(out), run_config=OmegaConf.to_container(cfg, resolve=True)
-        )
+        context = dict(context or {}, output_dir=str(out))
         if dev.is_main_process():
             out.mkdir(parents=True, exist_ok=True)
+            console_copy.enter_context(runlog.tee(Path(context.get("log_file") or out / "train.log")))
+        _tokenizer_from_model_dir(cfg)
+        context["run_config"] = OmegaConf.to_container(cfg, resolve=True)
+        if dev.is_main_process():
             (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         seed_everything(t.seed)
-        splits = instantiate(cfg.data.dataset)
+        splits = hf.as_splits(instantiate(cfg.data.dataset))
         engine = build_engine(cfg, runtime, _callbacks(cfg, out, context) if not cfg.dry_run else [])
+        hf.adopt(engine.module, splits)  # the tokenizer fits the model; class names into its config
         if cfg.dry_run:
             if dev.is_main_process():
                 print_plan(engine)
             return None
         ckpt_dir = checkpoint_dir(cfg, out)
+        if t.checkpoint.enabled:
+            hf.keep_tokenizer(splits, ckpt_dir)
         history = _fit(cfg, engine, splits, ckpt_dir)
         if dev.is_main_process() and engine.state.stop_reason.startswith("preempted"):
             print(

@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from framework import device as dev
+from framework import runlog
 from framework.argv import HydraView, check_group_choice, check_untyped_keys, normalize, untyped_overrides
 from framework.build import checkpoint_dir, train, validate
 from framework.checkpoint import preemption
@@ -217,7 +218,7 @@ def launch_job(cfg: DictConfig, output_dir: str) -> float | None:
     join_slurm_tasks()
     dev.select_accelerator(str(cfg.trainer.accelerator))
     devices = int(cfg.trainer.devices)
-    context = sweep_context()
+    context = dict(sweep_context(), log_file=runlog.hydra_log_file())  # rank 0 copies its console there
     if dev.launched() or devices == 1:
         return train(cfg, output_dir, context)
     check_devices(devices)

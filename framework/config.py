@@ -39,7 +39,7 @@ GROUPS = (
 class DataConfig:
     """Where samples come from and how they are loaded."""
 
-    dataset: Any = MISSING  # {_target_: ...} returning framework.datasets.Splits(train, valid)
+    dataset: Any = MISSING  # {_target_: ...} -> framework.datasets.Splits(train, valid) or DatasetDict
     shuffle: bool = True  # shuffle the training set each epoch
     num_workers: int = 0  # DataLoader worker processes
     prefetch: int = 2  # batches kept ready on the device ahead of the step

@@ -62,16 +62,30 @@ def _is_hf_model_class(target: Any) -> bool:
 
 
 def count_parameters(node: Any) -> int:
-    """Parameters the model will have: the weight files of a `path` directory, else the model
-    built on the meta device (no memory, the random generators untouched)."""
+    """Parameters the model will have, from a build on the meta device (no memory, the random
+    generators untouched): of the model itself, or for a `path` directory of a Hugging Face model,
+    of its config.json's architecture (never read from the size of the weight files)."""
     path = node.get("path") if hasattr(node, "get") else None
-    if path and Path(str(path)).is_dir():
-        files = [*Path(str(path)).glob("*.safetensors"), *Path(str(path)).glob("*.bin")]
-        return sum(f.stat().st_size for f in files) // 2  # at least 2 bytes per parameter on disk
+    config_file = Path(str(path)) / "config.json" if path else None
     with torch.random.fork_rng(devices=[]), torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = instantiate(node)
+        if config_file is not None and config_file.is_file():
+            model = _from_config_file(config_file)
+        else:
+            model = instantiate(node)
     return sum(p.numel() for p in model.parameters())
+
+
+def _from_config_file(config_file: Path) -> Any:
+    """The model a `save_pretrained` directory's config.json describes (its first architecture)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(str(config_file.parent), local_files_only=True)
+    name = (getattr(config, "architectures", None) or ["AutoModel"])[0]
+    cls = getattr(transformers, name, None)
+    if cls is None or name == "AutoModel":
+        return transformers.AutoModel.from_config(config)
+    return cls(config)
 
 
 def _free_host_bytes() -> int:
@@ -211,7 +225,10 @@ def _announce(whole: bool, mode: str, why: str, parameters: int = 0) -> None:
     """The one line saying how the model is built."""
     if not dev.is_main_process():
         return
-    count = f"{parameters / 1e6:,.1f} M parameters, " if parameters else ""
+    count = ""
+    if parameters:
+        count = f"{parameters / 1e6:,.1f} M" if parameters >= 10**6 else f"{parameters:,}"
+        count += " parameters, "
     how = (
         "built whole, then partitioned by DeepSpeed"
         if whole

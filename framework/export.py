@@ -9,7 +9,8 @@ whole weights. OUT gets safetensors (`.safetensors`) or a torch state dict (any 
 `model.load_state_dict(load_weights(OUT), strict=True)` loads it. With `--hf` (the default for a
 checkpoint of a transformers model when OUT has no suffix) OUT_DIR gets `config.json` and
 safetensors weights that `AutoModelForCausalLM.from_pretrained(OUT_DIR)` loads (tied weights
-kept tied).
+kept tied), and the files of the tokenizer the run trained with (kept in the checkpoints dir by
+the CLI; `--tokenizer DIR` names another), so `AutoTokenizer.from_pretrained(OUT_DIR)` works too.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import shutil
 import sys
 from pathlib import Path
 
@@ -25,6 +27,7 @@ import torch
 from framework.checkpoint import safety, store
 from framework.checkpoint.manager import HF_CONFIG, HF_PREFIX
 from framework.errors import CheckpointError, ConfigError
+from framework.integrations.hf import TOKENIZER_DIR
 from framework.weights import load_weights, save_weights
 
 
@@ -49,9 +52,10 @@ def fp32_state_dict(ckpt: str | Path) -> dict[str, torch.Tensor]:
         return dict(get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name))
 
 
-def save_hf_directory(ckpt: str | Path, out: str | Path) -> Path:
+def save_hf_directory(ckpt: str | Path, out: str | Path, tokenizer: str | Path | None = None) -> Path:
     """A `save_pretrained` directory from a checkpoint of a transformers model (its config was
-    saved with it): the model class from `config.architectures`, the fp32 weights, ties kept."""
+    saved with it): the model class from `config.architectures`, the fp32 weights, ties kept;
+    the tokenizer's files from `tokenizer`, else from the checkpoints dir's `tokenizer/`."""
     path = store.resolve(str(ckpt), None)
     if path is None:
         raise ConfigError(f"no complete checkpoint in {ckpt}")
@@ -81,7 +85,19 @@ def save_hf_directory(ckpt: str | Path, out: str | Path) -> Path:
     if generation.is_file():
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "generation_config.json").write_text(generation.read_text())
+    if tokenizer is not None and not Path(tokenizer).is_dir():
+        raise ConfigError(f"--tokenizer {tokenizer}: no such directory")
+    _copy_tokenizer(Path(tokenizer) if tokenizer else path.parent / TOKENIZER_DIR, Path(out))
     return Path(out)
+
+
+def _copy_tokenizer(source: Path, out: Path) -> None:
+    """The tokenizer's files next to the model's (none kept, none copied)."""
+    if not source.is_dir():
+        return
+    for file in source.iterdir():
+        if file.is_file() and file.name not in ("config.json", "model.safetensors"):
+            shutil.copyfile(file, out / file.name)
 
 
 def _hf_weights(path: Path, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -129,10 +145,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("out", help="output file: .safetensors, or a torch state dict for any other suffix")
     parser.add_argument("--hf", action="store_true", help="write a Hugging Face save_pretrained directory")
+    parser.add_argument(
+        "--tokenizer", help="with --hf: the tokenizer dir to copy (default: the one the run kept)"
+    )
     args = parser.parse_args(argv)
     try:
         if args.hf or (not Path(args.out).suffix and _has_hf_config(args.checkpoint)):
-            out = save_hf_directory(args.checkpoint, args.out)
+            out = save_hf_directory(args.checkpoint, args.out, args.tokenizer)
         else:
             out = save_weights(fp32_state_dict(args.checkpoint), args.out)
     except (ConfigError, CheckpointError) as exc:

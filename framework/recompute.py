@@ -9,16 +9,23 @@ move freely between runs with and without recompute.
 
 Units: what the model's `recompute_units()` returns, else every block of each `nn.ModuleList`
 (transformer layers and the like).
+
+A model that keeps a key/value cache while training (a Hugging Face model's `config.use_cache`)
+gets it turned off, as transformers' Trainer does with gradient checkpointing: the recomputation
+would append to the cache a second time and backward would see keys twice as long as the mask.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from framework import device as dev
 from framework.errors import ConfigError
 
 
@@ -26,8 +33,35 @@ def _recomputed_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if self.training and torch.is_grad_enabled():
         # early_stop=False: the recomputation runs to the end, so the module's post-forward hooks
         # (ZeRO-3 releases the gathered parameters there) run as in the first forward.
-        return checkpoint(nn.Module.__call__, self, *args, use_reentrant=False, early_stop=False, **kwargs)
+        runs = iter(range(2))  # the first call is the forward, the second the recomputation
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if next(runs, 1) == 0:
+                return nn.Module.__call__(self, *args, **kwargs)
+            with _kept_for_backward(self):
+                return nn.Module.__call__(self, *args, **kwargs)
+
+        return checkpoint(call, *args, use_reentrant=False, early_stop=False, **kwargs)
     return nn.Module.__call__(self, *args, **kwargs)
+
+
+_HELD = -1  # a sub-module id DeepSpeed never gives: marks weights held for the backward under way
+
+
+@contextlib.contextmanager
+def _kept_for_backward(unit: nn.Module) -> Iterator[None]:
+    """ZeRO-3: weights that backward already gathered when it started the recomputation (a
+    sub-module whose output feeds the block's output directly, e.g. Llama's `down_proj`) stay
+    gathered through the recomputation's post-forward hooks, which would otherwise free them
+    before their gradient is accumulated. Other weights are gathered and freed as in forward."""
+    held: list[Any] = [p for p in unit.parameters() if getattr(p, "ds_active_sub_modules", None)]
+    for p in held:
+        p.ds_active_sub_modules.add(_HELD)
+    try:
+        yield
+    finally:
+        for p in held:
+            p.ds_active_sub_modules.discard(_HELD)
 
 
 _classes: dict[type, type] = {}
@@ -60,4 +94,21 @@ def enable(model: nn.Module) -> list[nn.Module]:
     for unit in units:
         if not getattr(unit, "_recomputed", False):
             unit.__class__ = _recomputed_class(type(unit))
+    _cache_off(model)
     return units
+
+
+def _cache_off(model: nn.Module) -> None:
+    """`use_cache=False` in the config of every sub-model that has one set (see the module doc)."""
+    turned_off = []
+    for module in model.modules():
+        config: Any = getattr(module, "config", None)
+        if getattr(config, "use_cache", False) is True:
+            config.use_cache = False
+            turned_off.append(type(module).__name__)
+    if turned_off and dev.is_main_process():
+        print(
+            f"recompute: use_cache turned off for {turned_off[0]} (a key/value cache is not kept under "
+            "activation recomputation, as in transformers' gradient checkpointing)",
+            flush=True,
+        )

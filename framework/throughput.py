@@ -8,8 +8,10 @@ logging points.
   `torch.utils.flop_counter.FlopCounterMode` over the run's first optimizer step (forward and
   backward of every micro-batch, as the step really computes them). `flops_source` says which.
 * Peak FLOP/s of one device: on CUDA from a table of dense peaks per GPU and dtype (TF32 for
-  fp32 when it is on); on a CPU from a short matmul probe, cached per machine in
-  ~/.cache/hydraspeed/peak_flops.json. `trainer.peak_tflops` overrides both.
+  fp32 when it is on); `trainer.peak_tflops` overrides it. A CPU has no peak we can trust (a
+  matmul probe read half the real rate while another rank or job shared the cores, and MFU then
+  read 115-183 %), so on a CPU MFU is shown only with `trainer.peak_tflops`. An MFU above 100 %
+  means the peak is wrong: it is left out of the logs and said once.
 * The step's time: waiting for data (host clock), forward, backward and optimizer step (CUDA
   events on a GPU, the host clock on a CPU). Communication happens inside backward (gradient
   reduction) and the optimizer step (ZeRO-3 gathers); DeepSpeed does not expose it separately
@@ -19,12 +21,9 @@ logging points.
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import platform
+import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,7 +42,6 @@ PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
     ("V100", {"bf16": 0.0, "fp16": 125.0, "fp32": 15.7, "fp32_plain": 15.7}),
     ("T4", {"bf16": 0.0, "fp16": 65.0, "fp32": 8.1, "fp32_plain": 8.1}),
 ]
-CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hydraspeed" / "peak_flops.json"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -59,43 +57,6 @@ def gpu_peak(name: str, dtype: torch.dtype, tf32: bool) -> float | None:
         if fragment in name and peaks.get(key):
             return peaks[key] * 1e12
     return None
-
-
-def cpu_peak(dtype: torch.dtype, seconds: float = 0.3) -> float:
-    """Measured matmul FLOP/s of this CPU with torch's threads (cached per machine)."""
-    key = f"{platform.processor() or platform.machine()}|{_cpu_model()}|{torch.get_num_threads()}|{_dtype_name(dtype)}|{torch.__version__}"
-    try:
-        cached = json.loads(CACHE.read_text())
-    except (OSError, ValueError):
-        cached = {}
-    if key in cached:
-        return float(cached[key])
-    n = 512
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b  # warm-up
-    count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        a @ b
-        count += 1
-    peak = 2 * n**3 * count / (time.perf_counter() - start)
-    cached[key] = peak
-    try:
-        CACHE.parent.mkdir(parents=True, exist_ok=True)
-        CACHE.write_text(json.dumps(cached, indent=1))
-    except OSError:
-        pass
-    return peak
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 def transformer_shape(model: Any) -> tuple[int, int] | None:
@@ -180,14 +141,14 @@ class Speedometer:
         self._counted, self._count_from = 0, 0
         self.peak = peak_tflops * 1e12 if peak_tflops else self._device_peak(dev)
         self.since, self.steps_at = time.perf_counter(), 0
+        self._over_peak_said = not dev.is_main_process()
 
     def _device_peak(self, dev: Any) -> float | None:
-        dtype = self.runtime.compute_dtype
-        if self.cuda:
-            return gpu_peak(
-                torch.cuda.get_device_name(dev.device()), dtype, torch.backends.cuda.matmul.allow_tf32
-            )
-        return cpu_peak(dtype if dtype != torch.float16 else torch.float32)
+        """The GPU's peak from the table; None on a CPU (see the module doc)."""
+        if not self.cuda:
+            return None
+        name = torch.cuda.get_device_name(dev.device())
+        return gpu_peak(name, self.runtime.compute_dtype, torch.backends.cuda.matmul.allow_tf32)
 
     def measure(self, batch: Any, step: int) -> None:
         """From the first batch (every rank, together): tokens per sample, and the FLOPs per
@@ -239,7 +200,17 @@ class Speedometer:
         if self.tokens:
             out["tokens_per_s"] = out["samples_per_s"] * self.tokens
         if self.flops_per_step and self.peak:
-            out["mfu"] = self.flops_per_step * steps / seconds / self.peak
+            mfu = self.flops_per_step * steps / seconds / self.peak
+            if mfu <= 1.0:
+                out["mfu"] = mfu
+            elif not self._over_peak_said:
+                self._over_peak_said = True
+                print(
+                    f"warning: MFU left out: it would read {100 * mfu:.0f} %, so the peak of "
+                    f"{self.peak / 1e12:,.3g} TFLOP/s per device is too low (trainer.peak_tflops)",
+                    file=sys.stderr,
+                    flush=True,
+                )
         phases = self.timer.read()
         if "forward" in phases:  # the step call includes the time it waited for its batches
             phases["forward"] = max(phases["forward"] - phases.get("data", 0.0), 0.0)

@@ -95,8 +95,8 @@ def test_every_strategy_option_builds_a_strategy(compose, name):
 
 @pytest.mark.parametrize("name", options("model"))
 def test_every_model_option_instantiates_and_runs(compose, name):
-    if name == "hf_causal_lm":  # a directory of the user's: see tests/test_ecosystem.py
-        return
+    if name in ("hf_causal_lm", "hf_sequence_classification"):  # a directory of the user's: see
+        return  # tests/test_ecosystem.py and tests/test_hf.py
     model = instantiate(compose([f"model={name}"]).model)
     if name == "gpt":
         assert model(torch.zeros(2, 16, dtype=torch.long)).shape == (2, 16, 128)
@@ -121,6 +121,17 @@ def test_every_data_option_instantiates(compose, name, tmp_path):
         overrides.append(f"data.dataset.data_files={notes}")
         splits = instantiate(compose(overrides).data.dataset)
         assert set(splits.train[0]) == {"input_ids", "labels"} and len(splits.valid) > 0
+        return
+    if name == "hf_classification":  # (text, label) rows of the user's; byte tokens by default
+        rows = tmp_path / "rows.jsonl"
+        rows.write_text("".join(f'{{"text": "row {i}", "label": "{"ab"[i % 2]}"}}\n' for i in range(50)))
+        overrides.append(f"data.dataset.data_files={rows}")
+        splits = instantiate(compose(overrides).data.dataset)
+        assert set(splits.train[0]) == {"input_ids", "attention_mask", "labels"} and splits.labels == [
+            "a",
+            "b",
+        ]
+        assert (len(splits.train), len(splits.valid)) == (45, 5)
         return
     splits = instantiate(compose(overrides).data.dataset)
     assert isinstance(splits, Splits) and len(splits.train) > len(splits.valid) > 0

@@ -411,6 +411,13 @@ def test_the_tiny_llama_experiment_runs_under_zero3_on_two_processes(tmp_path):
                    "data.dataset.max_chars=60000", "trainer.log_every=2", f"hydra.run.dir={tmp_path}"], timeout=240)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     assert json.loads((tmp_path / "final_metrics.json").read_text())["step"] == 4
+    # rank 0's console is also in the run dir's log file, with the model's true size
+    config = construct.instantiate(OmegaConf.load(CONF / "model" / "hf_llama.yaml").config)
+    config.vocab_size = 128
+    with torch.device("meta"):
+        size = sum(p.numel() for p in transformers.LlamaForCausalLM(config).parameters())
+    line = f"model: {size:,} parameters, built whole"  # under a million: exactly
+    assert line in run.stdout and line in (tmp_path / "train.log").read_text()
 
 
 def test_hf_text_data_from_local_files(tmp_path):

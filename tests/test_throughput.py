@@ -63,8 +63,9 @@ def test_other_models_count_the_flops_of_their_first_optimizer_step(strategy):
         strategy=Strategy(**strategy),
     )
     records = step_records(
-        engine, synthetic(num_samples=512).train, epochs=1, batch_size=16, max_steps=4, log_freq=2
-    )
+        engine, synthetic(num_samples=512).train, epochs=1, batch_size=16, max_steps=4, log_freq=2,
+        peak_tflops=1.0,
+    )  # fmt: skip
     # multiply-adds of 16 samples: forward through both Linear layers, backward to both weights
     # and to the first layer's output (the input needs no gradient)
     forward = 2 * 16 * (64 * 32 + 32 * 10)
@@ -72,3 +73,22 @@ def test_other_models_count_the_flops_of_their_first_optimizer_step(strategy):
     assert engine.state.info.flops_per_step == forward + backward
     assert engine.state.info.flops_source.startswith("counted")
     assert 0 < records[-1]["mfu"] < 1 and "tokens_per_s" not in records[-1]
+
+
+def test_mfu_is_never_above_100_percent_and_needs_a_peak_on_a_cpu(capsys):
+    """A CPU has no trustworthy peak (a probe read half the rate while other ranks shared the
+    cores: MFU read 115-183 %): no MFU without trainer.peak_tflops, and a peak below what the run
+    reached leaves MFU out, said once."""
+    torch.manual_seed(0)
+    data = synthetic(num_samples=512).train
+    for peak, said in ((None, 0), (1e-9, 1)):
+        engine = Engine(
+            MLP(hidden=[32]), torch.nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1)
+        )
+        records = step_records(
+            engine, data, epochs=1, batch_size=16, max_steps=6, log_freq=2, peak_tflops=peak
+        )
+        assert len(records) == 3 and not any("mfu" in r for r in records)
+        assert engine.state.info.flops_per_step > 0
+        assert capsys.readouterr().err.count("warning: MFU left out: it would read") == said
+        device.destroy_process_group()

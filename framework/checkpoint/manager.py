@@ -249,9 +249,12 @@ def _save(parts: Stateful, ckpt_dir: Path, keep_last_k: int | None, reason: str)
 
 def load(parts: Stateful, path: Path) -> None:
     """Load a checkpoint into a built runtime: DeepSpeed's states, then the loop state. Every file
-    is verified first (checksums, no code in any pickle); a different setup is named."""
+    is verified first (checksums, no code in any pickle); a different setup is named. Rank 0
+    says `resumed from step N (path)`."""
     with watchdog.suspended():
         _load(parts, path)
+    if dev.is_main_process():
+        print(f"resumed from step {parts.state.global_step} ({path})", flush=True)
 
 
 def _load(parts: Stateful, path: Path) -> None:

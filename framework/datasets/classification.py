@@ -9,7 +9,8 @@ from torch.utils.data import Dataset, TensorDataset
 
 
 class Splits(NamedTuple):
-    """A training set and a validation set."""
+    """A training set and a validation set: what a `data.dataset` target returns (two map-style
+    datasets; a `datasets.DatasetDict` with `train` and `validation` splits is taken too)."""
 
     train: Dataset
     valid: Dataset

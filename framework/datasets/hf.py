@@ -4,7 +4,8 @@ is byte-level (UTF-8 bytes are the tokens, 256 of them).
 
     python train.py data=hf_text data.dataset.data_files=notes.txt model=hf_gpt2 loss=model
 
-Rows are dicts `{"input_ids": block, "labels": block}` (Hugging Face's convention: the model
+With `model.path=DIR` and no `data.dataset.tokenizer`, the model's directory is the tokenizer
+(when it holds one: the run says so in one line). Rows are dicts `{"input_ids": block, "labels": block}` (Hugging Face's convention: the model
 shifts the labels itself), so `loss=model` trains on them; the position in the epoch is part of
 a checkpoint like any other data.
 """
@@ -24,9 +25,18 @@ class ByteTokenizer:
     """UTF-8 bytes as token ids (0..255): a tokenizer that needs no file and no download."""
 
     vocab_size = BYTE_VOCAB_SIZE
+    pad_token_id = 0
 
-    def __call__(self, texts: list[str]) -> dict[str, list[list[int]]]:
-        return {"input_ids": [list(text.encode("utf-8")) for text in texts]}
+    def __call__(
+        self, texts: list[str], truncation: bool = False, max_length: int | None = None
+    ) -> dict[str, list[list[int]]]:
+        ids = [list(text.encode("utf-8")) for text in texts]
+        if truncation and max_length:
+            ids = [row[:max_length] for row in ids]
+        return {"input_ids": ids, "attention_mask": [[1] * len(row) for row in ids]}
+
+    def __len__(self) -> int:
+        return BYTE_VOCAB_SIZE
 
 
 def load_tokenizer(tokenizer: str | None) -> Any:
@@ -48,6 +58,30 @@ def load_tokenizer(tokenizer: str | None) -> Any:
     )
 
 
+def vocabulary_size(tokenizer: Any) -> int:
+    """Token ids the tokenizer can produce (added tokens included)."""
+    return len(tokenizer)
+
+
+class TokenizedSplits(Splits):
+    """`Splits` made with a tokenizer: it travels with them, so a run checks it against the
+    model's vocabulary and keeps its files beside the checkpoints (`export --hf` copies them);
+    `labels` (classification) become the model's `id2label`; `collate_fn` batches the rows."""
+
+    tokenizer: Any = None
+    labels: list[str] | None = None
+    collate_fn: Any = None
+
+
+def with_tokenizer(
+    splits: Splits, tokenizer: Any, labels: list[str] | None = None, collate_fn: Any = None
+) -> TokenizedSplits:
+    """`splits` with what made them (see `TokenizedSplits`)."""
+    out = TokenizedSplits(*splits)
+    out.tokenizer, out.labels, out.collate_fn = tokenizer, labels, collate_fn
+    return out
+
+
 def hf_text(
     data_files: Any,
     builder: str = "text",
@@ -57,7 +91,7 @@ def hf_text(
     val_fraction: float = 0.1,
     split_seed: int = 0,
     num_proc: int | None = None,
-) -> Splits:
+) -> TokenizedSplits:
     """Local text / JSON / CSV files (`builder`: text, json, csv) -> tokenized blocks of
     `block_size` tokens, split into train / validation with a fixed seed."""
     import datasets
@@ -91,4 +125,6 @@ def hf_text(
             "use more text or a smaller data.dataset.block_size"
         )
     parts = grouped.train_test_split(test_size=val_fraction, seed=split_seed)
-    return Splits(parts["train"].with_format("torch"), parts["test"].with_format("torch"))
+    return with_tokenizer(
+        Splits(parts["train"].with_format("torch"), parts["test"].with_format("torch")), tok
+    )

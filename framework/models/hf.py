@@ -1,6 +1,7 @@
-"""Hugging Face causal language models from a local directory or a config: no hub access.
+"""Hugging Face models from a local directory or a config: no hub access.
 
     model=hf_causal_lm model.path=DIR     # fine-tune a save_pretrained directory
+    model=hf_sequence_classification model.path=DIR model.num_labels=3   # a classifier
     model=hf_gpt2 / model=hf_llama        # tiny models built from a config (conf/model/)
 
 Under ZeRO-3, when the model is built partitioned (see `framework.build`), transformers' own
@@ -26,3 +27,27 @@ def causal_lm(path: str | None = None, config: Any = None, **kwargs: Any) -> Any
         settings = dict(config)
         config = AutoConfig.for_model(settings.pop("model_type"), **settings)
     return AutoModelForCausalLM.from_config(config, **kwargs)
+
+
+def sequence_classification(
+    path: str | None = None, config: Any = None, num_labels: int | None = None, **kwargs: Any
+) -> Any:
+    """`AutoModelForSequenceClassification` from `path` or `config` (as `causal_lm`), with
+    `num_labels` classes when given (a directory's model with another number gets a new head)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    if num_labels is not None:
+        kwargs["num_labels"] = int(num_labels)
+    if path is not None:
+        mismatched = {"ignore_mismatched_sizes": True} if num_labels is not None else {}
+        return AutoModelForSequenceClassification.from_pretrained(
+            path, local_files_only=True, **mismatched, **kwargs
+        )
+    if config is None:
+        raise ValueError("hf_sequence_classification needs model.path=DIR or model.config")
+    if isinstance(config, dict) or hasattr(config, "items") and not hasattr(config, "to_dict"):
+        settings = dict(config)
+        config = AutoConfig.for_model(settings.pop("model_type"), **settings)
+    if "num_labels" in kwargs:
+        config.num_labels = kwargs.pop("num_labels")
+    return AutoModelForSequenceClassification.from_config(config, **kwargs)

@@ -1,0 +1,1 @@
+"""Conventions of other libraries the framework meets (Hugging Face: `framework.integrations.hf`)."""
