@@ -99,7 +99,7 @@ def run_hydraspeed(row: dict[str, Any], setup: Setup) -> dict[str, Any]:
     optimizer = functools.partial(torch.optim.AdamW, lr=setup.lr)
     engine = Engine(model, "model", optimizer, strategy=strategy_of(row), callbacks=[Tick()])
     data = TokenData(setup, model.config.vocab_size)
-    engine.fit(data, batch_size=setup.micro_batch, max_steps=setup.run_steps, log_freq=10**9)
+    engine.fit(data, batch_size=setup.micro_batch, max_steps=setup.run_steps, log_freq=10**9, progress=False)
     config = engine.runtime.config
     ran = engine.runtime.strategy.describe()
     return {**clock.result(fpt), "params": params, "config": digest(config), "ran": ran}

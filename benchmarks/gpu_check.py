@@ -76,7 +76,16 @@ def _fit_losses(engine: Any, steps: int, **kwargs: Any) -> list[float]:
             if event.value == "step_end" and "loss" in state.logs:
                 history.append(float(state.logs["loss"]))
 
-    engine.fit(train, epochs=100, batch_size=64, max_steps=steps, log_freq=1, callbacks=[Record()], **kwargs)
+    engine.fit(
+        train,
+        epochs=100,
+        batch_size=64,
+        max_steps=steps,
+        log_freq=1,
+        callbacks=[Record()],
+        progress=False,
+        **kwargs,
+    )
     return history
 
 
@@ -310,6 +319,7 @@ def check_host_syncs(cuda: bool, steps: int) -> dict[str, Any]:
                 batch_size=64,
                 max_steps=steps + 3,
                 log_freq=10**6,
+                progress=False,
                 callbacks=[Watch()],
             )
             torch.cuda.set_sync_debug_mode(0)

@@ -42,7 +42,7 @@ def _fit(engine: Any, size: dict[str, int], steps: int) -> None:
         0, size["vocab_size"], (size["batch"] * (steps + 2), size["block_size"] + 1), generator=g
     )
     data = torch.utils.data.TensorDataset(ids[:, :-1], ids[:, 1:])
-    engine.fit(data, epochs=10, batch_size=size["batch"], max_steps=steps, log_freq=10**6)
+    engine.fit(data, epochs=10, batch_size=size["batch"], max_steps=steps, log_freq=10**6, progress=False)
 
 
 def copy_overlap(events: list[dict[str, Any]]) -> dict[str, Any]:

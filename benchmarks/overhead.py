@@ -77,7 +77,7 @@ def worker(stage: int, steps: int, rounds: int, hidden: int, batch: int) -> dict
                 raw_times.append(now - last)
             last = now
         target = engine.state.global_step + steps + 1  # B: Engine.fit for as many steps
-        engine.fit(data, epochs=10**6, batch_size=batch, max_steps=target, log_freq=10**9)
+        engine.fit(data, epochs=10**6, batch_size=batch, max_steps=target, log_freq=10**9, progress=False)
     device.destroy_process_group()
     return {"raw": raw_times, "fit": timer.times}
 

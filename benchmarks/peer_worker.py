@@ -57,7 +57,7 @@ def run_hydraspeed(name: str, steps: int) -> None:
             stamps.append(time.time())
 
     engine = Engine(model, loss, functools.partial(torch.optim.AdamW, lr=1e-3), callbacks=[Stamp()])
-    engine.fit(data, epochs=1, batch_size=batch, max_steps=steps, log_freq=10**9)
+    engine.fit(data, epochs=1, batch_size=batch, max_steps=steps, log_freq=10**9, progress=False)
     device.destroy_process_group()
     report(stamps[0], stamps, batch)
 

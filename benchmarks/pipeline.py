@@ -38,7 +38,9 @@ def worker(stages: int, micro_batches: int, micro: int, steps: int, n_layer: int
     engine = Engine(
         model, LMLoss(), functools.partial(torch.optim.AdamW, lr=1e-3), strategy=strategy, callbacks=[timer]
     )
-    engine.fit(data, epochs=1, batch_size=micro * micro_batches, max_steps=steps, log_freq=10**9)
+    engine.fit(
+        data, epochs=1, batch_size=micro * micro_batches, max_steps=steps, log_freq=10**9, progress=False
+    )
     device.destroy_process_group()
     return timer.times
 

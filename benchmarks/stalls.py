@@ -59,7 +59,9 @@ def _fit(data: Any, collate: Any, c: float) -> list[float]:
         MLP(hidden=[16]), torch.nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.01),
         train_step=step, callbacks=[timer],
     )  # fmt: skip
-    engine.fit(data, epochs=1, batch_size=16, collate_fn=collate, shuffle=False, log_freq=10**9)
+    engine.fit(
+        data, epochs=1, batch_size=16, collate_fn=collate, shuffle=False, log_freq=10**9, progress=False
+    )
     device.destroy_process_group()
     return timer.times
 

@@ -91,6 +91,7 @@ def build_fit_config(cfg: DictConfig, ckpt_dir: Path, handle_preemption: bool) -
         handle_preemption=handle_preemption,
         peak_tflops=t.peak_tflops,
         timeout_s=float(t.timeout_s),  # a stuck rank ends the job within timeout_s
+        progress=False,  # the logger group decides what the console shows
     )
 
 

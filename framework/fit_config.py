@@ -39,6 +39,9 @@ class FitConfig:
     handle_preemption: bool = False
     peak_tflops: float | None = None  # the device's peak for MFU (default: table / measured)
     timeout_s: float | None = None  # a rank without progress this long ends the job (watchdog)
+    progress: bool = (
+        True  # rank 0 prints progress as the CLI does, unless a ConsoleLogger is among the callbacks
+    )
 
     def as_kwargs(self) -> dict[str, Any]:
         """The fields as keyword arguments (shallow: collate_fn stays the same object)."""

@@ -24,6 +24,7 @@ from framework.errors import NonFiniteLoss
 from framework.evaluation import Host, evaluate
 from framework.fit_config import FitConfig
 from framework.items import step_weights
+from framework.loggers import ConsoleLogger
 from framework.outputs import batch_size_of
 from framework.plan import Budget, RunPlan, step_budget
 from framework.state import LoopState
@@ -148,6 +149,14 @@ def _fit_callbacks(
     """This fit's callbacks: the engine's, the call's, then the checkpoint manager (last, so a
     checkpoint includes this step's records); their `Control`."""
     events = CallbackList([*host.callbacks.callbacks, *extra])
+    if (
+        cfg.progress
+        and dev.is_main_process()
+        and not any(isinstance(c, ConsoleLogger) for c in events.callbacks)
+    ):
+        events.extend(
+            [ConsoleLogger()]
+        )  # Engine.fit shows what the CLI shows (Paddle and Lightning print too)
     manager = None
     if cfg.save_dir is not None:
         manager = checkpoint.CheckpointManager(

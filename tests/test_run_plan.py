@@ -333,7 +333,8 @@ def test_a_hugging_face_schedule_gets_the_run_budget():
 
 def test_the_command_line_and_the_python_api_share_names_and_defaults(compose, tmp_path):
     """`trainer.*` uses `fit`'s names, with `FitConfig`'s defaults; the differences are the
-    shipped demo run's choices (10 epochs of 64 with a watchdog), named here."""
+    shipped demo run's choices (10 epochs of 64 with a watchdog) and the console, which the
+    CLI's logger group decides, named here."""
     import inspect
 
     from framework.build import build_fit_config
@@ -342,7 +343,7 @@ def test_the_command_line_and_the_python_api_share_names_and_defaults(compose, t
     cfg = compose()
     built = build_fit_config(cfg, tmp_path, handle_preemption=False).as_kwargs()
     defaults = FitConfig().as_kwargs()
-    demo = {"epochs": 10, "batch_size": 64, "timeout_s": 300.0, "save_dir": str(tmp_path)}
+    demo = {"epochs": 10, "batch_size": 64, "timeout_s": 300.0, "save_dir": str(tmp_path), "progress": False}
     assert {k: v for k, v in built.items() if v != defaults[k]} == demo
     assert inspect.signature(Engine).parameters["prefetch"].default == cfg.data.prefetch
 
@@ -356,3 +357,11 @@ def test_old_trainer_keys_still_work_with_one_line(compose, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "trainer.log_every is deprecated: use trainer.log_freq" in out
     assert "trainer.checkpoint.every_n_steps is deprecated: use trainer.checkpoint.save_freq" in out
+
+
+def test_engine_fit_prints_progress_unless_told_not_to(capsys):
+    engine().fit(DATA.train, epochs=1, batch_size=BATCH, log_freq=3)
+    shown = capsys.readouterr().out
+    assert "epoch 1/1" in shown or "step 3" in shown, shown[-500:]
+    engine().fit(DATA.train, epochs=1, batch_size=BATCH, log_freq=3, progress=False)
+    assert capsys.readouterr().out == ""
