@@ -66,6 +66,40 @@ def _with_key(key: str, fn: Any, *args: Any) -> Any:
         raise ConfigError(f"{key}: {exc}") from None
 
 
+def logged_names(cfg: DictConfig, has_valid: bool) -> list[str]:
+    """Every value a run of `cfg` logs (its history): loss, lr and each metric, their `val_`
+    versions when there is validation data (also as `start_val_*` with `trainer.valid_at_start`),
+    and what the framework's callbacks add (`best_<monitor>`, `lr_step`)."""
+    train = ["loss", "lr", *(str(name) for name in cfg.metrics)]
+    valid = ["val_loss", *(f"val_{name}" for name in cfg.metrics)] if has_valid else []
+    start = [f"start_{name}" for name in valid] if cfg.trainer.valid_at_start else []
+    added = []
+    for node in (n for n in cfg.callbacks.values() if n is not None):
+        target = str(node.get("_target_", ""))
+        if target.endswith("KeepBest") and node.get("monitor"):
+            added.append(f"best_{node.monitor}")
+        if target.endswith("LearningRateMonitor"):
+            added.append("lr_step")
+    return train + valid + start + added
+
+
+def check_monitors(cfg: DictConfig, has_valid: bool) -> None:
+    """`trainer.monitor` and each callback's `monitor` name a value the run logs (a typo would
+    watch nothing: the run would return None and EarlyStopping/KeepBest never act). A callback of
+    the user's own may log more values: `trainer.monitor` is then not checked."""
+    names = logged_names(cfg, has_valid)
+    callbacks = {str(key): node for key, node in cfg.callbacks.items() if node is not None}
+    own = all(str(node.get("_target_", "")).startswith("framework.") for node in callbacks.values())
+    keys = [("trainer.monitor", cfg.trainer.monitor)] if own else []
+    keys += [(f"callbacks.{key}.monitor", node.get("monitor")) for key, node in callbacks.items()]
+    for key, value in keys:
+        if value is not None and str(value) not in names:
+            hint = "" if has_valid else " (this run has no validation data, so no val_* values)"
+            raise ConfigError(
+                f"{key}={value}: this run logs no such value{hint}; choose one of {', '.join(names)}"
+            )
+
+
 def build_fit_config(cfg: DictConfig, ckpt_dir: Path, handle_preemption: bool) -> FitConfig:
     """`Engine.fit`'s arguments from `trainer.*` and `data.*`."""
     t = cfg.trainer
@@ -289,6 +323,7 @@ def train(cfg: DictConfig, output_dir: str | None, context: dict[str, Any] | Non
             (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         seed_everything(t.seed)
         splits = instantiate(cfg.data.dataset)
+        check_monitors(cfg, has_valid=getattr(splits, "valid", None) is not None)
         engine = build_engine(cfg, runtime, _callbacks(cfg, out, context) if not cfg.dry_run else [])
         if cfg.dry_run:
             if dev.is_main_process():

@@ -183,7 +183,10 @@ def _preempted_exit_code(ckpt_dir: Path, since: float) -> int:
     """0 when the workers wrote a checkpoint for the preemption (or the run's final one) after
     `since`; otherwise 1, naming the last good checkpoint."""
     newest = complete_checkpoints(ckpt_dir)[-1:] if ckpt_dir.is_dir() else []
-    meta = read_meta(newest[0]) if newest else {}
+    try:
+        meta = read_meta(newest[0]) if newest else {}
+    except CheckpointError:
+        meta = {}
     if meta.get("reason") in ("preempted", "end") and float(meta.get("time", 0)) >= since:
         return 0
     last = f"{newest[0]} (step {meta.get('step')})" if newest else "none"

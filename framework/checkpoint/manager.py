@@ -343,8 +343,10 @@ class CheckpointManager(Callback):
         return path
 
     def on_fit_start(self, state: LoopState) -> None:
-        """Take the checkpoint dir's lock for this run."""
+        """Take the checkpoint dir's lock for this run; remove what an interrupted conversion left."""
         store.acquire_lock(self.ckpt_dir)
+        if dev.is_main_process():
+            store.remove_interrupted(self.ckpt_dir)
 
     def on_step_end(self, state: LoopState) -> None:
         """Save on schedule or after preemption, at optimizer-step boundaries."""
