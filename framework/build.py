@@ -29,7 +29,7 @@ from framework.callbacks import Callback
 from framework.checkpoint import preemption
 from framework.config import check_schema
 from framework.engine import Engine
-from framework.errors import ConfigError
+from framework.errors import CheckpointError, ConfigError
 from framework.launch import check_launched_devices
 from framework.loggers import MetricsFile
 from framework.loops import FitConfig
@@ -299,7 +299,10 @@ def _fit(cfg: DictConfig, engine: Engine, splits: Any, ckpt_dir: Path) -> dict[s
         preemption.install_handler()
     if t.init_from and not (t.resume and (t.resume != "auto" or checkpoint.find_resumable(ckpt_dir))):
         engine.prepare("train", int(t.batch_size))
-        engine.load(str(t.init_from))  # a fresh start from these weights
+        try:
+            engine.load(str(t.init_from))  # a fresh start from these weights
+        except (CheckpointError, FileNotFoundError) as exc:
+            raise type(exc)(f"trainer.init_from={t.init_from}: {exc}") from None
     return engine.fit(splits.train, splits.valid, **build_fit_config(cfg, ckpt_dir, preempt).as_kwargs())
 
 

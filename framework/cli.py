@@ -62,12 +62,30 @@ def prepare_argv(argv: list[str] | None = None, conf_dir: Path | None = None) ->
         for item in view.overrides:
             check_override(item)
             check_group_choice(item, view)
+            check_path_length(item)
     except ConfigError as exc:
         _exit_config_error(exc)
     if untyped_overrides(view.overrides):
         _name_unknown_keys()
     if dev.launched() and int(os.environ.get("RANK", "0")) > 0:
         argv.extend(["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout"])
+
+
+PATH_KEYS = ("hydra.run.dir", "hydra.sweep.dir", "trainer.checkpoint.dir")
+
+
+def check_path_length(item: str) -> None:
+    """A dir override the file system cannot hold (a name over 255 bytes, a path over 4096) is
+    named before Hydra tries to create it."""
+    key, _, value = item.lstrip("+").partition("=")
+    if key not in PATH_KEYS or not value:
+        return
+    longest = max(len(part.encode()) for part in value.split("/"))
+    if longest > 255 or len(value.encode()) > 4095:
+        raise ConfigError(
+            f"{key}: a path of {len(value):,} characters (longest name {longest:,}) is more than the file "
+            "system allows (255 per name, 4,095 in all); choose a shorter one"
+        )
 
 
 def _exit_config_error(exc: ConfigError) -> NoReturn:

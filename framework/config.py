@@ -121,7 +121,7 @@ MINIMUM: dict[str, int | float] = {
     "trainer.valid_every": 1,
     "trainer.devices": 1,
     "trainer.log_every": 1,
-    "trainer.timeout_s": 0.0,
+    "trainer.timeout_s": 5,  # seconds: a rank's start-up alone can take longer than less
     "trainer.checkpoint.every_n_steps": 0,
     "trainer.checkpoint.keep_last_k": 0,
     "data.num_workers": 0,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import shutil
+import sys
 
 import pytest
 import torch
@@ -146,3 +147,114 @@ def test_conversions_are_pruned_with_their_checkpoint_and_interrupted_ones_remov
         (d / "zero" / "x.pt").write_bytes(b"0" * 1000)
     engine(2).fit(DATA.train, epochs=1, batch_size=32, save_dir=str(ckpts))
     assert not dead.exists() and alive.exists()
+
+
+# ------------------------------------------------------------------------------------- one line each
+
+
+class Payload:
+    """Unpickling this runs code: it writes a marker file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({str(self.marker)!r}, 'w').write('ran')",))
+
+
+def test_weights_files_that_cannot_be_loaded_are_named(tmp_path):
+    from framework.weights import load_weights
+
+    marker = tmp_path / "marker"
+    torch.save({"w": torch.zeros(2), "x": Payload(marker)}, tmp_path / "payload.pt")
+    with pytest.raises(CheckpointError, match=r"payload.pt would run code when loaded \(it calls exec\)"):
+        load_weights(tmp_path / "payload.pt")
+    assert not marker.exists()
+    (tmp_path / "garbage.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(CheckpointError, match=r"garbage.safetensors cannot be read as a safetensors file \("):
+        load_weights(tmp_path / "garbage.safetensors")
+    torch.save({"w": torch.zeros(2)}, tmp_path / "renamed.safetensors")
+    with pytest.raises(
+        CheckpointError, match=r"renamed.safetensors cannot be read .* another suffix \(.pt\)"
+    ):
+        load_weights(tmp_path / "renamed.safetensors")
+    torch.save([torch.zeros(2)], tmp_path / "list.pt")
+    with pytest.raises(CheckpointError, match=r"list.pt is not a state dict of tensors \(list\)"):
+        load_weights(tmp_path / "list.pt")
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_weights_of_another_model_name_the_keys_and_shapes(stage):
+    from framework.weights import load_whole
+
+    run = engine(stage)
+    run.prepare("train", 32)
+    state = {k: v.detach().clone() for k, v in MLP(hidden=[32]).state_dict().items()}
+    wrong = dict(state, **{"features.0.weight": torch.zeros(16, 64)})
+    with pytest.raises(
+        CheckpointError, match=r"features.0.weight has shape \(16, 64\) in the file, \(32, 64\)"
+    ):
+        load_whole(run.module, stage == 3, wrong)
+    extra = dict(state, extra=torch.zeros(1))
+    del extra["features.0.bias"]
+    with pytest.raises(CheckpointError, match=r"missing features.0.bias; unexpected extra"):
+        load_whole(run.module, stage == 3, extra)
+    load_whole(run.module, stage == 3, state)  # the right weights still load
+
+
+def test_a_batch_larger_than_the_dataset_is_a_config_error():
+    with pytest.raises(ConfigError, match="the training set has 10 samples: too few for 1 rank"):
+        engine().fit(TensorDataset(torch.randn(10, 64), torch.zeros(10, dtype=torch.long)), batch_size=32)
+
+
+def test_a_checkpoint_dir_that_cannot_be_written_is_one_config_error(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(
+        ConfigError, match=r"checkpoint dir .*file/ckpts cannot be written \(Not a directory\)"
+    ):
+        engine().fit(DATA.train, epochs=1, batch_size=32, save_dir=str(tmp_path / "file" / "ckpts"))
+
+
+def test_export_to_a_path_under_a_file_is_one_line(tmp_path, capsys):
+    from framework.export import main
+
+    ckpts = trained(tmp_path / "ckpts")
+    (tmp_path / "file").write_text("x")
+    assert main([str(ckpts), str(tmp_path / "file" / "w.safetensors")]) == 1
+    err = capsys.readouterr().err
+    assert (
+        err
+        == f"Error: cannot write {tmp_path}/file/w.safetensors ({tmp_path}/file is a file, not a dir); choose another path\n"
+    )
+
+
+def test_a_timeout_too_short_for_a_start_is_refused(compose):
+    from framework.config import check_schema
+
+    with pytest.raises(ConfigError, match=r"trainer.timeout_s=0.01: must be a finite number >= 5"):
+        check_schema(compose(["trainer.timeout_s=0.01"]))
+
+
+def test_cli_one_liners(tmp_path):
+    """init_from a pickle with a payload; a 10,000-character hydra.run.dir; a read-only checkpoint dir."""
+    from .conftest import FAST, ROOT, fails_cleanly, run_cmd, run_train
+
+    marker = tmp_path / "marker"
+    torch.save({"w": torch.zeros(2), "x": Payload(marker)}, tmp_path / "payload.pt")
+    run = run_train(
+        [*FAST, "trainer.max_steps=1", f"trainer.init_from={tmp_path / 'payload.pt'}"], tmp_path / "a"
+    )
+    fails_cleanly(run, f"Error: trainer.init_from={tmp_path / 'payload.pt'}: ", "would run code when loaded")
+    assert not marker.exists()
+    run = run_train(FAST, tmp_path / ("a" * 10_000), timeout=60)
+    fails_cleanly(run, "Error: hydra.run.dir: a path of 10,", "choose a shorter one")
+    assert run.stderr.count("\n") == 1
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if shutil.which("unshare") is None:
+        return
+    train = f"{sys.executable} {ROOT / 'train.py'} {' '.join(FAST)} trainer.checkpoint.dir={ro} hydra.run.dir={tmp_path / 'b'}"
+    run = run_cmd(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o ro none {ro} && {train}"], timeout=120)
+    if "mount:" in run.stderr:
+        pytest.skip("cannot mount a read-only filesystem here (needs unshare -rm)")
+    fails_cleanly(run, f"Error: checkpoint dir {ro} cannot be written (Read-only file system)")

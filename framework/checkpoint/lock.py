@@ -93,8 +93,14 @@ def acquire_lock(ckpt_dir: Path) -> None:
     `release_lock` (and at process exit)."""
     problem = None
     if dev.is_main_process():
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        problem = _in_use(ckpt_dir, ckpt_dir / LOCK)
+        try:
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+            problem = _in_use(ckpt_dir, ckpt_dir / LOCK)
+        except OSError as exc:  # read-only, not a dir, no permission
+            problem = (
+                f"checkpoint dir {ckpt_dir} cannot be written ({exc.strerror or exc}): set "
+                "trainer.checkpoint.dir to a writable dir, or trainer.checkpoint.enabled=false"
+            )
     problem = dev.broadcast_object(problem)
     if problem:
         raise ConfigError(problem)
