@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from framework import device as dev
+from framework import watchdog
 from framework.argv import HydraView, check_group_choice, check_untyped_keys, normalize, untyped_overrides
 from framework.build import checkpoint_dir, train, validate
 from framework.checkpoint import preemption
@@ -182,6 +183,12 @@ def run(cfg: DictConfig) -> float | None:
         return _fail(_explain(exc), show=dev.rank() == 0 or not isinstance(exc, ConfigError))
     except WorkerFailed as exc:
         return _fail(str(exc), show=not exc.printed)
+    except RuntimeError as exc:
+        failure = peer_failure(exc)
+        if failure is None:
+            raise
+        dev.mark_failed()
+        return _fail(failure, show=True)
     except Interrupted as exc:
         # SIGTERM is preemption: the workers saved and rank 0 said where (exit 0), unless no
         # checkpoint was written for it (exit 1, naming the last good one). Leave at once: the
@@ -269,6 +276,38 @@ def worker_main(container: dict[str, Any], output_dir: str, context: dict[str, A
         if dev.rank() == 0 or not isinstance(exc, ConfigError):
             print(f"Error: {_explain(exc)}", file=sys.stderr, flush=True)
         sys.exit(1)
+    except RuntimeError as exc:
+        failure = peer_failure(exc)
+        if failure is None:
+            raise
+        print(f"Error: {failure}", file=sys.stderr, flush=True)
+        dev.mark_failed()
+        sys.exit(1)
+
+
+# What gloo says when the other end of a collective stopped, died or never came.
+PEER_SIGNS = (
+    "Application timeout",
+    "Timed out",
+    "timed out",
+    "Connection closed by peer",
+    "Connection reset by peer",
+)
+
+
+def peer_failure(exc: BaseException) -> str | None:
+    """One line for a collective that failed because another rank stopped, died or is stuck (a
+    stopped peer on this host is named and ended); None for any other error."""
+    import torch.distributed as dist
+
+    text = str(exc).strip()
+    if not (isinstance(exc, dist.DistError) or any(sign in text for sign in PEER_SIGNS)):
+        return None
+    first = text.splitlines()[0] if text else type(exc).__name__
+    return (
+        f"rank {dev.rank()}: a collective with the other ranks failed ({type(exc).__name__}: {first}): another "
+        f"rank stopped, died or is stuck (trainer.timeout_s bounds the wait){watchdog.end_stopped_peers()}"
+    )
 
 
 def _explain(exc: BaseException) -> str:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from framework import watchdog
 from framework.allocator import tune_host_allocator
 
 # Environment variables this process set itself for a launcher-less single process; removed on teardown.
@@ -251,6 +252,8 @@ def init_process_group(timeout_s: float = 300.0) -> None:
     _we_initialized = True
     if world_size() > 1:
         _slow()  # every rank makes it now, together (creating a group is collective)
+        # Which process each rank is, so a watchdog can name (and end) a stopped peer on its host.
+        watchdog.set_peers(all_gather_object((socket.gethostname(), os.getpid())))
     _tear_down_at_exit()
 
 
@@ -275,6 +278,13 @@ def _tear_down_at_exit() -> None:
 
     sys.excepthook = note_failure
     atexit.register(lambda: destroy_process_group(sync=not _failed))
+
+
+def mark_failed() -> None:
+    """This process failed where the other ranks may sit in a collective: its exit does not wait
+    for them (see `destroy_process_group`)."""
+    global _failed
+    _failed = True
 
 
 def destroy_process_group(sync: bool = True, timeout_s: float = 30.0) -> None:

@@ -148,7 +148,7 @@ def save_consolidated(runtime: Any, path: str | Path) -> Path:
     rank returns once the file is written. A large model may take longer than trainer.timeout_s, so
     the watchdog is off meanwhile and the other ranks wait on the slow gloo group (an nccl
     collective would time out instead)."""
-    with watchdog.suspended():
+    with watchdog.suspended(watchdog.LONG_WORK, "writing the weights"):
         state = runtime.full_state_dict()
         weights = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
         if dev.is_main_process():

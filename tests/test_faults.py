@@ -258,3 +258,93 @@ def test_cli_one_liners(tmp_path):
     if "mount:" in run.stderr:
         pytest.skip("cannot mount a read-only filesystem here (needs unshare -rm)")
     fails_cleanly(run, f"Error: checkpoint dir {ro} cannot be written (Read-only file system)")
+
+
+# ------------------------------------------------------------------------------------- bounded waits
+
+
+@pytest.mark.parametrize("stage", ["zero1", "zero3"])
+def test_a_stopped_peer_ends_the_job_within_the_timeout_naming_it(tmp_path, stage):
+    """SIGSTOP on rank 1: on ZeRO-1 rank 0's watchdog fires, on ZeRO-3 gloo's own timeout comes
+    first; either way one line names the stopped rank, which is ended (the launcher would wait 30 s
+    for a stopped process to handle its SIGTERM)."""
+    import time
+
+    from .conftest import FAST, run_train
+
+    marker = tmp_path / "stopped_at"
+    stop = f"+callbacks.stop={{_target_:tests.helpers.StopRank,rank:1,step:3,marker:{marker}}}"
+    run = run_train(
+        [stop, *FAST, f"strategy={stage}", "trainer.devices=2", "trainer.timeout_s=8"], tmp_path, timeout=150
+    )
+    ended = time.time()
+    text = run.stdout + run.stderr
+    assert run.returncode == 1, text[-3000:]
+    assert "rank 1 (pid " in text and "is stopped (SIGSTOP): ended" in text, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    assert ended - float(marker.read_text()) < 8 + 12, ended - float(marker.read_text())
+
+
+def test_long_work_is_bounded_by_a_multiple_of_the_timeout():
+    """A save whose peers never come (rank 0 waits in the slow group's 12-hour barrier) ends at
+    LONG_WORK x timeout_s with one line saying what it was doing."""
+    from .conftest import run_cmd
+
+    script = (
+        "import time\n"
+        "from framework import watchdog\n"
+        "with watchdog.watching(1.5):\n"
+        "    with watchdog.suspended(watchdog.LONG_WORK, 'saving a checkpoint'):\n"
+        "        time.sleep(60)\n"
+    )
+    start = __import__("time").monotonic()
+    run = run_cmd([sys.executable, "-c", script], timeout=60)
+    elapsed = __import__("time").monotonic() - start
+    assert run.returncode == 1
+    assert "made no progress for 6 s while saving a checkpoint (allowed: 4 x trainer.timeout_s)" in run.stderr
+    assert elapsed < 6 + 10, elapsed
+
+
+def test_a_stopped_conversion_is_ended_with_one_line(tmp_path):
+    """DeepSpeed's ds_to_universal stopped (SIGSTOP) during a conversion for another world size:
+    killed before the watchdog's limit, a CheckpointError says so."""
+    from .conftest import run_cmd
+
+    ckpts = trained(tmp_path / "ckpts", stage=2)
+    script = f"""
+import os, signal, threading, time
+from pathlib import Path
+from framework import watchdog, CheckpointError
+from framework.checkpoint import store
+
+def stop_the_converter():
+    while True:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:  # only a child of this process: the converter
+                cmd = open(f"/proc/{{pid}}/cmdline", "rb").read()
+                parent = int(open(f"/proc/{{pid}}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if b"ds_to_universal" in cmd and parent == os.getpid():
+                os.kill(int(pid), signal.SIGSTOP)
+                return
+        time.sleep(0.02)
+
+threading.Thread(target=stop_the_converter, daemon=True).start()
+start = time.monotonic()
+with watchdog.watching(2.5):
+    try:
+        with watchdog.suspended(watchdog.LONG_WORK, "loading a checkpoint"):
+            store.to_universal(store.find_resumable(Path({str(ckpts)!r})))
+    except CheckpointError as exc:
+        print("error:", exc, round(time.monotonic() - start))
+"""
+    run = run_cmd([sys.executable, "-c", script], timeout=90)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "error: converting" in run.stdout and "ds_to_universal was stopped or is stuck" in run.stdout, (
+        run.stdout
+    )
+    assert (
+        int(run.stdout.split()[-1]) <= 4 * 2.5 + 2
+    )  # LONG_WORK x timeout: the watchdog did not need to fire
+    assert [p.name for p in ckpts.iterdir() if store.CONVERTING in p.name] == []

@@ -212,7 +212,7 @@ def save(
     A save that fails on any rank leaves no partial dir behind and raises CheckpointError.
     `reason` (schedule, preempted, end, request) is recorded in COMPLETE.json."""
     _check_finite(parts)
-    with watchdog.suspended():
+    with watchdog.suspended(watchdog.LONG_WORK, "saving a checkpoint"):
         return _save(parts, Path(ckpt_dir), keep_last_k, reason)
 
 
@@ -250,7 +250,7 @@ def _save(parts: Stateful, ckpt_dir: Path, keep_last_k: int | None, reason: str)
 def load(parts: Stateful, path: Path) -> None:
     """Load a checkpoint into a built runtime: DeepSpeed's states, then the loop state. Every file
     is verified first (checksums, no code in any pickle); a different setup is named."""
-    with watchdog.suspended():
+    with watchdog.suspended(watchdog.LONG_WORK, "loading a checkpoint"):
         _load(parts, path)
 
 

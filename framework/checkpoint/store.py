@@ -291,12 +291,22 @@ def _convert(path: Path, out: Path, meta: dict[str, Any]) -> None:
         cmd += ["--output_folder", str(fresh)]
         if int(meta["zero_stage"]) == 2:
             cmd.append("--inject_missing_state")
-        with watchdog.suspended():
-            result = subprocess.run(cmd, capture_output=True, text=True)
+        with watchdog.suspended(watchdog.LONG_WORK, "converting a checkpoint"):
+            limit = watchdog.budget()  # stopped (SIGSTOP) or stuck, it is killed before the watchdog fires
+            try:
+                result = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
+            except subprocess.TimeoutExpired:
+                raise CheckpointError(
+                    f"converting {path} for another world size took more than {limit:.0f} s "
+                    f"({watchdog.LONG_WORK} x trainer.timeout_s, less the wait so far): DeepSpeed's "
+                    "ds_to_universal was stopped or is stuck; it was ended (raise trainer.timeout_s for a "
+                    "very large checkpoint)"
+                ) from None
         if result.returncode != 0:
+            lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
             raise CheckpointError(
-                f"could not convert {path} for another world size (DeepSpeed's ds_to_universal failed):\n"
-                + result.stderr[-2000:]
+                f"could not convert {path} for another world size (DeepSpeed's ds_to_universal failed: "
+                f"{lines[-1] if lines else f'exit code {result.returncode}'})"
             )
         for file in path.glob(RANK_FILE.format(rank=0).replace("00000", "*")):
             shutil.copy(file, fresh / file.name)
