@@ -183,12 +183,6 @@ def run(cfg: DictConfig) -> float | None:
         return _fail(_explain(exc), show=dev.rank() == 0 or not isinstance(exc, ConfigError))
     except WorkerFailed as exc:
         return _fail(str(exc), show=not exc.printed)
-    except RuntimeError as exc:
-        failure = peer_failure(exc)
-        if failure is None:
-            raise
-        dev.mark_failed()
-        return _fail(failure, show=True)
     except Interrupted as exc:
         # SIGTERM is preemption: the workers saved and rank 0 said where (exit 0), unless no
         # checkpoint was written for it (exit 1, naming the last good one). Leave at once: the
@@ -202,6 +196,13 @@ def run(cfg: DictConfig) -> float | None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+    except RuntimeError as exc:  # after Interrupted and WorkerFailed, which are RuntimeErrors too
+        failure = peer_failure(exc)
+        if failure is None:
+            raise
+        if verbose:
+            traceback.print_exc()
+        return _fail(failure, show=True)
 
 
 def _preempted_exit_code(ckpt_dir: Path, since: float) -> int:
@@ -281,7 +282,6 @@ def worker_main(container: dict[str, Any], output_dir: str, context: dict[str, A
         if failure is None:
             raise
         print(f"Error: {failure}", file=sys.stderr, flush=True)
-        dev.mark_failed()
         sys.exit(1)
 
 

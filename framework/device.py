@@ -280,13 +280,6 @@ def _tear_down_at_exit() -> None:
     atexit.register(lambda: destroy_process_group(sync=not _failed))
 
 
-def mark_failed() -> None:
-    """This process failed where the other ranks may sit in a collective: its exit does not wait
-    for them (see `destroy_process_group`)."""
-    global _failed
-    _failed = True
-
-
 def destroy_process_group(sync: bool = True, timeout_s: float = 30.0) -> None:
     """Tear down a group this module created (a 2-rank gloo exit without it can SIGABRT).
 

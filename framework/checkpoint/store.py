@@ -6,6 +6,7 @@ Layout of a checkpoints dir (`trainer.checkpoint.dir`, default `<output dir>/che
         hydraspeed_rank00000.pt   each rank's loop state: counters, RNG, loader position, metrics
         COMPLETE.json             written by rank 0 last, after every rank's files are on disk
     latest                        name of the newest complete checkpoint (moved atomically)
+    step_00000120_universal/      the same, converted for another world size (pruned with it)
 
 A dir without COMPLETE.json is a save that did not finish; one whose files differ from the
 checksums in COMPLETE.json, or would run code when unpickled, is damaged (see `safety`).
@@ -176,8 +177,9 @@ def find_resumable(ckpt_dir: str | Path) -> Path | None:
     """The newest complete, intact checkpoint in `ckpt_dir` (rank 0 looks, every rank gets the
     answer); newer partial or damaged ones are skipped, each named once with why."""
     ckpt_dir = Path(ckpt_dir)
-    found = _newest_intact(ckpt_dir) if dev.is_main_process() and ckpt_dir.is_dir() else None
-    found = dev.broadcast_object(str(found) if found else None, slow=True)
+    with watchdog.suspended(watchdog.LONG_WORK, "verifying checkpoints"):  # hashing may take long
+        found = _newest_intact(ckpt_dir) if dev.is_main_process() and ckpt_dir.is_dir() else None
+        found = dev.broadcast_object(str(found) if found else None, slow=True)
     return Path(found) if found else None
 
 
@@ -222,12 +224,13 @@ def verify(path: Path) -> dict[str, Any]:
 def check(path: Path) -> dict[str, Any]:
     """The checkpoint's metadata after rank 0 verified it (every rank gets the error, if any)."""
     problem = None
-    if dev.is_main_process():
-        try:
-            verify(path)
-        except CheckpointError as exc:
-            problem = str(exc)
-    problem = dev.broadcast_object(problem, slow=True)
+    with watchdog.suspended(watchdog.LONG_WORK, "verifying a checkpoint"):
+        if dev.is_main_process():
+            try:
+                verify(path)
+            except CheckpointError as exc:
+                problem = str(exc)
+        problem = dev.broadcast_object(problem, slow=True)
     if problem:
         raise CheckpointError(problem)
     return read_meta(path)
