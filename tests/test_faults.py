@@ -263,7 +263,7 @@ def test_cli_one_liners(tmp_path):
 # ------------------------------------------------------------------------------------- bounded waits
 
 
-@pytest.mark.parametrize("stage", ["zero1", "zero3"])
+@pytest.mark.parametrize("stage", [pytest.param("zero1", marks=pytest.mark.slow), "zero3"])
 def test_a_stopped_peer_ends_the_job_within_the_timeout_naming_it(tmp_path, stage):
     """SIGSTOP on rank 1: on ZeRO-1 rank 0's watchdog fires, on ZeRO-3 gloo's own timeout comes
     first; either way one line names the stopped rank, which is ended (the launcher would wait 30 s
