@@ -30,7 +30,7 @@ from framework.callbacks import Callback
 from framework.checkpoint import preemption
 from framework.config import RENAMED, check_schema
 from framework.engine import Engine
-from framework.errors import ConfigError
+from framework.errors import CheckpointError, ConfigError
 from framework.fit_config import FitConfig
 from framework.integrations import hf
 from framework.launch import check_launched_devices
@@ -67,6 +67,40 @@ def _with_key(key: str, fn: Any, *args: Any) -> Any:
         return fn(*args)
     except ConfigError as exc:
         raise ConfigError(f"{key}: {exc}") from None
+
+
+def logged_names(cfg: DictConfig, has_valid: bool) -> list[str]:
+    """Every value a run of `cfg` logs (its history): loss, lr and each metric, their `val_`
+    versions when there is validation data (also as `start_val_*` with `trainer.valid_at_start`),
+    and what the framework's callbacks add (`best_<monitor>`, `lr_step`)."""
+    train = ["loss", "lr", *(str(name) for name in cfg.metrics)]
+    valid = ["val_loss", *(f"val_{name}" for name in cfg.metrics)] if has_valid else []
+    start = [f"start_{name}" for name in valid] if cfg.trainer.valid_at_start else []
+    added = []
+    for node in (n for n in cfg.callbacks.values() if n is not None):
+        target = str(node.get("_target_", ""))
+        if target.endswith("KeepBest") and node.get("monitor"):
+            added.append(f"best_{node.monitor}")
+        if target.endswith("LearningRateMonitor"):
+            added.append("lr_step")
+    return train + valid + start + added
+
+
+def check_monitors(cfg: DictConfig, has_valid: bool) -> None:
+    """`trainer.monitor` and each callback's `monitor` name a value the run logs (a typo would
+    watch nothing: the run would return None and EarlyStopping/KeepBest never act). A callback of
+    the user's own may log more values: `trainer.monitor` is then not checked."""
+    names = logged_names(cfg, has_valid)
+    callbacks = {str(key): node for key, node in cfg.callbacks.items() if node is not None}
+    own = all(str(node.get("_target_", "")).startswith("framework.") for node in callbacks.values())
+    keys = [("trainer.monitor", cfg.trainer.monitor)] if own else []
+    keys += [(f"callbacks.{key}.monitor", node.get("monitor")) for key, node in callbacks.items()]
+    for key, value in keys:
+        if value is not None and str(value) not in names:
+            hint = "" if has_valid else " (this run has no validation data, so no val_* values)"
+            raise ConfigError(
+                f"{key}={value}: this run logs no such value{hint}; choose one of {', '.join(names)}"
+            )
 
 
 def build_fit_config(cfg: DictConfig, ckpt_dir: Path, handle_preemption: bool) -> FitConfig:
@@ -280,7 +314,10 @@ def _fit(cfg: DictConfig, engine: Engine, splits: Any, ckpt_dir: Path) -> dict[s
         preemption.install_handler()
     if t.init_from and not (t.resume and (t.resume != "auto" or checkpoint.find_resumable(ckpt_dir))):
         engine.prepare("train", int(t.batch_size))
-        engine.load(str(t.init_from))  # a fresh start from these weights
+        try:
+            engine.load(str(t.init_from))  # a fresh start from these weights
+        except (CheckpointError, FileNotFoundError) as exc:
+            raise type(exc)(f"trainer.init_from={t.init_from}: {exc}") from None
     kwargs = build_fit_config(cfg, ckpt_dir, preempt).as_kwargs()
     if kwargs["collate_fn"] is None:  # the data's own (e.g. padding for text classification)
         kwargs["collate_fn"] = getattr(splits, "collate_fn", None)
@@ -322,6 +359,7 @@ def train(cfg: DictConfig, output_dir: str | None, context: dict[str, Any] | Non
             (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         seed_everything(t.seed)
         splits = hf.as_splits(instantiate(cfg.data.dataset))
+        check_monitors(cfg, has_valid=getattr(splits, "valid", None) is not None)
         engine = build_engine(cfg, runtime, _callbacks(cfg, out, context) if not cfg.dry_run else [])
         hf.adopt(engine.module, splits)  # the tokenizer fits the model; class names into its config
         if cfg.dry_run:

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from framework import device as dev
-from framework import runlog
+from framework import runlog, watchdog
 from framework.argv import HydraView, check_group_choice, check_untyped_keys, normalize, untyped_overrides
 from framework.build import checkpoint_dir, train, validate
 from framework.checkpoint import preemption
@@ -63,12 +63,30 @@ def prepare_argv(argv: list[str] | None = None, conf_dir: Path | None = None) ->
         for item in view.overrides:
             check_override(item)
             check_group_choice(item, view)
+            check_path_length(item)
     except ConfigError as exc:
         _exit_config_error(exc)
     if untyped_overrides(view.overrides):
         _name_unknown_keys()
     if dev.launched() and int(os.environ.get("RANK", "0")) > 0:
         argv.extend(["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout"])
+
+
+PATH_KEYS = ("hydra.run.dir", "hydra.sweep.dir", "trainer.checkpoint.dir")
+
+
+def check_path_length(item: str) -> None:
+    """A dir override the file system cannot hold (a name over 255 bytes, a path over 4096) is
+    named before Hydra tries to create it."""
+    key, _, value = item.lstrip("+").partition("=")
+    if key not in PATH_KEYS or not value:
+        return
+    longest = max(len(part.encode()) for part in value.split("/"))
+    if longest > 255 or len(value.encode()) > 4095:
+        raise ConfigError(
+            f"{key}: a path of {len(value):,} characters (longest name {longest:,}) is more than the file "
+            "system allows (255 per name, 4,095 in all); choose a shorter one"
+        )
 
 
 def _exit_config_error(exc: ConfigError) -> NoReturn:
@@ -178,13 +196,23 @@ def run(cfg: DictConfig) -> float | None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+    except RuntimeError as exc:  # after Interrupted and WorkerFailed, which are RuntimeErrors too
+        failure = peer_failure(exc)
+        if failure is None:
+            raise
+        if verbose:
+            traceback.print_exc()
+        return _fail(failure, show=True)
 
 
 def _preempted_exit_code(ckpt_dir: Path, since: float) -> int:
     """0 when the workers wrote a checkpoint for the preemption (or the run's final one) after
     `since`; otherwise 1, naming the last good checkpoint."""
     newest = complete_checkpoints(ckpt_dir)[-1:] if ckpt_dir.is_dir() else []
-    meta = read_meta(newest[0]) if newest else {}
+    try:
+        meta = read_meta(newest[0]) if newest else {}
+    except CheckpointError:
+        meta = {}
     if meta.get("reason") in ("preempted", "end") and float(meta.get("time", 0)) >= since:
         return 0
     last = f"{newest[0]} (step {meta.get('step')})" if newest else "none"
@@ -249,6 +277,37 @@ def worker_main(container: dict[str, Any], output_dir: str, context: dict[str, A
         if dev.rank() == 0 or not isinstance(exc, ConfigError):
             print(f"Error: {_explain(exc)}", file=sys.stderr, flush=True)
         sys.exit(1)
+    except RuntimeError as exc:
+        failure = peer_failure(exc)
+        if failure is None:
+            raise
+        print(f"Error: {failure}", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+# What gloo says when the other end of a collective stopped, died or never came.
+PEER_SIGNS = (
+    "Application timeout",
+    "Timed out",
+    "timed out",
+    "Connection closed by peer",
+    "Connection reset by peer",
+)
+
+
+def peer_failure(exc: BaseException) -> str | None:
+    """One line for a collective that failed because another rank stopped, died or is stuck (a
+    stopped peer on this host is named and ended); None for any other error."""
+    import torch.distributed as dist
+
+    text = str(exc).strip()
+    if not (isinstance(exc, dist.DistError) or any(sign in text for sign in PEER_SIGNS)):
+        return None
+    first = text.splitlines()[0] if text else type(exc).__name__
+    return (
+        f"rank {dev.rank()}: a collective with the other ranks failed ({type(exc).__name__}: {first}): another "
+        f"rank stopped, died or is stuck (trainer.timeout_s bounds the wait){watchdog.end_stopped_peers()}"
+    )
 
 
 def _explain(exc: BaseException) -> str:

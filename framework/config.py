@@ -134,7 +134,7 @@ MINIMUM: dict[str, int | float] = {
     "trainer.devices": 1,
     "trainer.log_freq": 1,
     "trainer.log_every": 1,
-    "trainer.timeout_s": 0.0,
+    "trainer.timeout_s": 5,  # seconds: a rank's start-up alone can take longer than less
     "trainer.checkpoint.save_freq": 0,
     "trainer.checkpoint.every_n_steps": 0,
     "trainer.checkpoint.keep_last_k": 0,

@@ -69,7 +69,7 @@ def train_loader(
     """
     n = dataset_len(dataset)
     if n // dp_size < micro_batch_size:
-        raise ValueError(
+        raise ConfigError(  # a ValueError too
             f"the training set has {n} samples: too few for {dp_size} rank(s) x micro-batch {micro_batch_size}; "
             "use a smaller batch size"
         )

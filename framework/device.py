@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from framework import deepspeed_globals
+from framework import deepspeed_globals, watchdog
 from framework.allocator import tune_host_allocator
 
 # Environment variables this process set itself for a launcher-less single process; removed on teardown.
@@ -253,6 +253,8 @@ def init_process_group(timeout_s: float = 300.0) -> None:
     _we_initialized = True
     if world_size() > 1:
         _slow()  # every rank makes it now, together (creating a group is collective)
+        # Which process each rank is, so a watchdog can name (and end) a stopped peer on its host.
+        watchdog.set_peers(all_gather_object((socket.gethostname(), os.getpid())))
     _tear_down_at_exit()
 
 

@@ -16,7 +16,7 @@ import torch
 
 from framework import data as data_lib
 from framework import device as dev
-from framework import watchdog
+from framework import finite, watchdog
 from framework.callbacks import CallbackList
 from framework.errors import ConfigError
 from framework.metrics import Metrics
@@ -101,6 +101,7 @@ def evaluate(
     )
     loss_sum: Any = 0.0
     count = 0
+    losses = finite.BatchLosses()  # a NaN/inf total names its first batch
     if host.eval_step_fn is not None:  # a custom validation step: average what it returns
         batches, call = data_lib.BatchIterator(iter(loader)), bind_step(host.eval_step_fn)
         while not batches.exhausted():
@@ -112,6 +113,7 @@ def evaluate(
             value = result.get("loss") if isinstance(result, dict) else result
             if value is not None:
                 loss_sum, count = loss_sum + detached(value), count + 1
+                losses.add(value)
     else:
         for batch in loader:
             watchdog.beat()
@@ -119,11 +121,13 @@ def evaluate(
             _, batch_loss = default_eval_step(host, batch, unpadded)
             if batch_loss is not None:
                 loss_sum, count = loss_sum + batch_loss.detach().float() * unpadded, count + unpadded
+                losses.add(batch_loss)
     totals = dev.all_gather_object((float(loss_sum), count))
     total_count = sum(c for _, c in totals)
     result = {"loss": sum(s for s, _ in totals) / total_count} if total_count else {}
     result.update(host.metrics.eval.compute())
     host.metrics.eval.reset()
+    finite.check_validation(result, losses)
     return result
 
 
@@ -149,7 +153,12 @@ def _evaluate_pipeline(
         losses = [runtime.eval_batch(batches) for _ in range(calls)]
     finally:
         source.close()
-    return {"loss": dev.all_reduce_mean(float(torch.stack(losses).float().mean()))} if losses else {}
+    result = {"loss": dev.all_reduce_mean(float(torch.stack(losses).float().mean()))} if losses else {}
+    seen = finite.BatchLosses()
+    for loss in losses:
+        seen.add(loss)
+    finite.check_validation(result, seen)  # a NaN/inf validation loss names its first batch here too
+    return result
 
 
 def _unpadded(loader: Any, batch: Any) -> int:

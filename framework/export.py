@@ -157,6 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError) as exc:
         print(f"Error: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:  # the output's dir cannot be made or written (a file on its path, read-only)
+        blocked = isinstance(exc, (FileExistsError, NotADirectoryError))
+        why = f"{exc.filename} is a file, not a dir" if blocked else f"{exc.strerror or exc}: {exc.filename}"
+        print(f"Error: cannot write {args.out} ({why}); choose another path", file=sys.stderr)
+        return 1
     print(f"wrote {out}")
     return 0
 

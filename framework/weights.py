@@ -7,6 +7,8 @@ only unless every rank asks for it.
 
 from __future__ import annotations
 
+import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ from torch import nn
 from framework import device as dev
 from framework import pipeline as pipeline_lib
 from framework import watchdog
+from framework.errors import CheckpointError
 
 
 def consolidate(
@@ -77,16 +80,16 @@ def load_whole(module: nn.Module, zero3: bool, state: dict[str, Any]) -> None:
     loaded on every rank. Keys and shapes must match exactly, as `load_state_dict(strict=True)`."""
     import deepspeed
 
+    entries = module.state_dict(keep_vars=True)
+    mismatch = _mismatch(entries, state)
+    if mismatch:
+        raise CheckpointError(
+            f"the weights do not fit {type(module).__name__}: {mismatch}; load weights saved from this "
+            "model (the same model.* config)"
+        )
     if not zero3:
         module.load_state_dict(state, strict=True)
         return
-    entries = module.state_dict(keep_vars=True)
-    missing, unexpected = sorted(set(entries) - set(state)), sorted(set(state) - set(entries))
-    if missing or unexpected:
-        raise RuntimeError(
-            f"Error(s) in loading state_dict for {type(module).__name__}: missing keys {missing[:5]}, "
-            f"unexpected keys {unexpected[:5]}"
-        )
     key_of: dict[int, str] = {}
     for key, value in entries.items():
         key_of.setdefault(id(value), key)  # a tied parameter: loaded once, from its first key
@@ -100,6 +103,24 @@ def load_whole(module: nn.Module, zero3: bool, state: dict[str, Any]) -> None:
                         _copy_checked(p, state[key], key)
         for key in key_of.values():  # buffers (never partitioned)
             _copy_checked(entries[key], state[key], key)
+
+
+def _mismatch(entries: dict[str, Any], state: dict[str, Any]) -> str | None:
+    """Which keys the weights lack or add and which shapes differ (a few of each), or None."""
+
+    def shown(names: list[str]) -> str:
+        return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+    missing, unexpected = sorted(set(entries) - set(state)), sorted(set(state) - set(entries))
+    shapes = {k: tuple(getattr(v, "ds_shape", v.shape)) for k, v in entries.items()}
+    wrong = [k for k in shapes if k in state and tuple(getattr(state[k], "shape", ())) != shapes[k]]
+    parts = [f"missing {shown(missing)}"] if missing else []
+    parts += [f"unexpected {shown(unexpected)}"] if unexpected else []
+    parts += [
+        f"{k} has shape {tuple(state[k].shape)} in the file, {shapes[k]} in the model" for k in wrong[:2]
+    ]
+    parts += [f"{len(wrong) - 2} more shapes differ"] if len(wrong) > 2 else []
+    return "; ".join(parts) or None
 
 
 def _copy_checked(target: torch.Tensor, value: torch.Tensor, key: str) -> None:
@@ -136,7 +157,7 @@ def save_consolidated(runtime: Any, path: str | Path) -> Path:
     rank returns once the file is written. A large model may take longer than trainer.timeout_s, so
     the watchdog is off meanwhile and the other ranks wait on the slow gloo group (an nccl
     collective would time out instead)."""
-    with watchdog.suspended():
+    with watchdog.suspended(watchdog.LONG_WORK, "writing the weights"):
         state = runtime.full_state_dict()
         weights = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
         if dev.is_main_process():
@@ -153,8 +174,28 @@ def save_consolidated(runtime: Any, path: str | Path) -> Path:
 def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
     """Read what `save_weights` wrote (no code is executed from the file)."""
     path = Path(path)
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
+    safetensors = path.suffix == ".safetensors"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such weights file")
+    try:
+        if safetensors:
+            from safetensors.torch import load_file
 
-        return load_file(str(path))
-    return torch.load(path, weights_only=True, map_location="cpu")
+            state = load_file(str(path))
+        else:
+            state = torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as exc:
+        needs = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        what = f" (it calls {needs.group(1)})" if needs else ""
+        raise CheckpointError(
+            f"{path} would run code when loaded{what}; refusing to load it: load weights only from a "
+            "source you trust, saved as .safetensors or a state dict of tensors"
+        ) from None
+    except Exception as exc:  # noqa: BLE001 - not such a file, truncated, a header that lies, ...
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        kind = "a safetensors file" if safetensors else "a torch state dict"
+        hint = "; a torch file needs another suffix (.pt)" if safetensors else ""
+        raise CheckpointError(f"{path} cannot be read as {kind} ({first}){hint}") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(f"{path} is not a state dict of tensors ({type(state).__name__})")
+    return state

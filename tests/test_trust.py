@@ -274,7 +274,7 @@ def test_engine_load_reads_zero_partitions_of_another_data_parallel_size(tmp_pat
             "trainer.checkpoint.keep_last_k=-1",
             "trainer.checkpoint.keep_last_k=-1: must be a finite number >= 0",
         ),
-        ("trainer.timeout_s=0", "trainer.timeout_s=0.0: must be a finite number > 0"),
+        ("trainer.timeout_s=0", "trainer.timeout_s=0.0: must be a finite number >= 5"),
     ],
 )
 def test_values_that_would_crash_mid_run_are_refused_at_composition(compose, override, words):

@@ -2,6 +2,7 @@
 
 * `store`       the layout on disk, atomic writes, COMPLETE.json, `latest`, prune, resolve,
                 conversion for another world size;
+* `lock`        one run at a time per checkpoints dir;
 * `manager`     saves and loads the stateful parts it is handed (runtime, loop state, metrics,
                 RNG), and the callback that saves on schedule;
 * `preemption`  the SIGTERM flag and the ranks' agreement on it.

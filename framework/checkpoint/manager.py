@@ -212,7 +212,7 @@ def save(
     A save that fails on any rank leaves no partial dir behind and raises CheckpointError.
     `reason` (schedule, preempted, end, request) is recorded in COMPLETE.json."""
     _check_finite(parts)
-    with watchdog.suspended():
+    with watchdog.suspended(watchdog.LONG_WORK, "saving a checkpoint"):
         return _save(parts, Path(ckpt_dir), keep_last_k, reason)
 
 
@@ -251,7 +251,7 @@ def load(parts: Stateful, path: Path) -> None:
     """Load a checkpoint into a built runtime: DeepSpeed's states, then the loop state. Every file
     is verified first (checksums, no code in any pickle); a different setup is named. Rank 0
     says `resumed from step N (path)`."""
-    with watchdog.suspended():
+    with watchdog.suspended(watchdog.LONG_WORK, "loading a checkpoint"):
         _load(parts, path)
     if dev.is_main_process():
         print(f"resumed from step {parts.state.global_step} ({path})", flush=True)
@@ -346,8 +346,10 @@ class CheckpointManager(Callback):
         return path
 
     def on_fit_start(self, state: LoopState) -> None:
-        """Take the checkpoint dir's lock for this run."""
+        """Take the checkpoint dir's lock for this run; remove what an interrupted conversion left."""
         store.acquire_lock(self.ckpt_dir)
+        if dev.is_main_process():
+            store.remove_interrupted(self.ckpt_dir)
 
     def on_step_end(self, state: LoopState) -> None:
         """Save on schedule or after preemption, at optimizer-step boundaries."""

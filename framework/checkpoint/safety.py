@@ -77,8 +77,15 @@ def _check_loads_without_code(path: Path, file: Path) -> None:
 
 def verify(path: Path, meta: dict[str, Any]) -> None:
     """Raise CheckpointError unless every recorded file is unchanged and every torch file of
-    checkpoint `path` loads without running code."""
-    for name, digest in (meta.get("files") or {}).items():
+    checkpoint `path` loads without running code. Metadata without checksums is refused: every
+    save records them, so their absence means COMPLETE.json was rewritten or made elsewhere."""
+    recorded = meta.get("files")
+    if not isinstance(recorded, dict) or not recorded:
+        raise CheckpointError(
+            f"checkpoint {path} cannot be verified: its COMPLETE.json records no checksums ('files'), which "
+            "every save writes; refusing to load it (use a checkpoint saved by this framework, or save one again)"
+        )
+    for name, digest in recorded.items():
         file = path / name
         if not file.is_file():
             raise CheckpointError(f"checkpoint {path} is damaged: {name} is missing")
@@ -100,6 +107,11 @@ def stamp(path: Path) -> tuple[tuple[str, int, int], ...]:
 def _files(path: Path) -> list[Path]:
     """Every file of checkpoint `path`; a CheckpointError for a symbolic link anywhere in it (a
     link can point at files no check has seen, or change after the check)."""
+    if path.is_symlink():  # os.walk follows a link given as its top
+        raise CheckpointError(
+            f"checkpoint {path} is a symbolic link; refusing to load it (point trainer.resume at the "
+            "checkpoint dir itself, or copy it)"
+        )
     found = []
     for root, dirs, files in os.walk(path):  # does not follow links into other directories
         for name in dirs + files:

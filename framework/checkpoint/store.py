@@ -6,6 +6,7 @@ Layout of a checkpoints dir (`trainer.checkpoint.dir`, default `<output dir>/che
         hydraspeed_rank00000.pt   each rank's loop state: counters, RNG, loader position, metrics
         COMPLETE.json             written by rank 0 last, after every rank's files are on disk
     latest                        name of the newest complete checkpoint (moved atomically)
+    step_00000120_universal/      the same, converted for another world size (pruned with it)
 
 A dir without COMPLETE.json is a save that did not finish; one whose files differ from the
 checksums in COMPLETE.json, or would run code when unpickled, is damaged (see `safety`).
@@ -14,30 +15,30 @@ checksums in COMPLETE.json, or would run code when unpickled, is damaged (see `s
 
 from __future__ import annotations
 
-import atexit
-import fcntl
 import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 from framework import device as dev
 from framework import watchdog
 from framework.checkpoint import safety
+from framework.checkpoint.lock import LOCK, acquire_lock, release_lock
 from framework.errors import CheckpointError, ConfigError
 
 COMPLETE = "COMPLETE.json"
 BAD = "BAD.json"  # a complete checkpoint whose weights gave a NaN/inf loss
 LATEST = "latest"
 TAG = re.compile(r"^step_(\d+)$")
+UNIVERSAL = re.compile(r"^(step_\d+)_universal$")  # a checkpoint converted for another world size
+CONVERTING = ".converting-"  # a conversion in progress: <name>_universal.converting-<pid>-<random>
 RANK_FILE = "hydraspeed_rank{rank:05d}.pt"
+__all__ = ["LOCK", "acquire_lock", "release_lock"]  # re-exported: one run per dir (`lock`)
 
 
 def tag_for(step: int) -> str:
@@ -93,7 +94,7 @@ def mark_complete(path: Path, meta: dict[str, Any]) -> None:
             fsync_file(file)
     meta = dict(meta, files=safety.digests(path))
     atomic_write(path / COMPLETE, json.dumps(meta, indent=2))
-    _verified[str(path)] = (path / COMPLETE).stat().st_mtime  # written just now: nothing to re-check
+    _verified[str(path)] = safety.stamp(path)  # hashed just now: nothing to re-check
     atomic_write(path.parent / LATEST, path.name)
 
 
@@ -112,7 +113,37 @@ def prune(ckpt_dir: Path, keep_last_k: int) -> None:
     oldest_kept = step_of(complete[-keep_last_k]) if len(complete) >= keep_last_k else 0
     for p in ckpt_dir.iterdir():
         if TAG.match(p.name) and p.name not in keep and step_of(p) < oldest_kept:
-            shutil.rmtree(p, ignore_errors=True)
+            _remove(p)
+    for p in ckpt_dir.iterdir():  # a conversion goes with the checkpoint it was made from
+        source = UNIVERSAL.match(p.name)
+        if source and not (ckpt_dir / source.group(1)).exists():
+            _remove(p)
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_interrupted(ckpt_dir: Path) -> None:
+    """Remove what a conversion that was killed left (`<name>_universal.converting-<pid>-*`, up to
+    twice the checkpoint's size), unless its process still runs on this host."""
+    for p in ckpt_dir.glob(f"*{CONVERTING}*"):
+        pid = p.name.split(CONVERTING, 1)[1].split("-", 1)[0]
+        if not (pid.isdigit() and _alive(int(pid))):
+            _remove(p)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 # ---------------------------------------------------------------------------- finding
@@ -146,8 +177,9 @@ def find_resumable(ckpt_dir: str | Path) -> Path | None:
     """The newest complete, intact checkpoint in `ckpt_dir` (rank 0 looks, every rank gets the
     answer); newer partial or damaged ones are skipped, each named once with why."""
     ckpt_dir = Path(ckpt_dir)
-    found = _newest_intact(ckpt_dir) if dev.is_main_process() and ckpt_dir.is_dir() else None
-    found = dev.broadcast_object(str(found) if found else None, slow=True)
+    with watchdog.suspended(watchdog.LONG_WORK, "verifying checkpoints"):  # hashing may take long
+        found = _newest_intact(ckpt_dir) if dev.is_main_process() and ckpt_dir.is_dir() else None
+        found = dev.broadcast_object(str(found) if found else None, slow=True)
     return Path(found) if found else None
 
 
@@ -159,9 +191,19 @@ def read_meta(path: Path) -> dict[str, Any]:
             f"checkpoint {path} is incomplete: {marker} is missing (the save did not finish)"
         )
     try:
-        return dict(json.loads(marker.read_text()))
+        meta = json.loads(marker.read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {path} is damaged: {marker} cannot be read ({exc})") from None
+    missing = [key for key in REQUIRED if not isinstance(meta, dict) or key not in meta]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {path} is damaged: {marker} lacks {', '.join(missing)} (every save writes them)"
+        )
+    return dict(meta)
+
+
+# What every save writes in COMPLETE.json (its `files` checksums are checked by `safety.verify`).
+REQUIRED = ("step", "world_size", "dp_size", "micro_batch_size", "zero_stage")
 
 
 _verified: dict[str, Any] = {}  # checkpoint path -> its files' names, sizes and mtimes when verified
@@ -182,12 +224,13 @@ def verify(path: Path) -> dict[str, Any]:
 def check(path: Path) -> dict[str, Any]:
     """The checkpoint's metadata after rank 0 verified it (every rank gets the error, if any)."""
     problem = None
-    if dev.is_main_process():
-        try:
-            verify(path)
-        except CheckpointError as exc:
-            problem = str(exc)
-    problem = dev.broadcast_object(problem, slow=True)
+    with watchdog.suspended(watchdog.LONG_WORK, "verifying a checkpoint"):
+        if dev.is_main_process():
+            try:
+                verify(path)
+            except CheckpointError as exc:
+                problem = str(exc)
+        problem = dev.broadcast_object(problem, slow=True)
     if problem:
         raise CheckpointError(problem)
     return read_meta(path)
@@ -221,103 +264,6 @@ def mark_bad(paths: list[str], reason: str) -> None:
                 atomic_write(Path(path) / BAD, json.dumps({"reason": reason}))
 
 
-# ---------------------------------------------------------------------------- one run per dir
-
-
-LOCK = ".lock"
-
-
-def _lock_holder(lock: Path) -> dict[str, Any] | None:
-    """Who holds `lock`, or None when nobody (no file, or a process of this host that is gone)."""
-    try:
-        holder = json.loads(lock.read_text())
-    except (OSError, ValueError):
-        return None
-    if holder.get("host") == socket.gethostname():
-        try:
-            os.kill(int(holder["pid"]), 0)
-        except ProcessLookupError:
-            return None  # a run that died without releasing it
-        except PermissionError:
-            pass
-    return holder
-
-
-_held: dict[str, int] = {}  # lock file -> the open descriptor this process holds its flock on
-
-
-def _take(lock: Path) -> bool:
-    """An exclusive flock on `lock` for this process (the kernel drops it when the process ends,
-    however it ends); False when another process holds it. Atomic, unlike reading the file and
-    writing it: two runs starting together cannot both win."""
-    for _ in range(3):
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            return False
-        try:
-            same = os.fstat(fd).st_ino == os.stat(lock).st_ino  # not a file a releasing run just unlinked
-        except FileNotFoundError:
-            same = False
-        if same:
-            _held[str(lock)] = fd
-            return True
-        os.close(fd)
-    return False
-
-
-def _in_use(ckpt_dir: Path, lock: Path) -> str | None:
-    """Take `ckpt_dir`'s lock; what stops this run from taking it, or None once it holds it."""
-    here = {"pid": os.getpid(), "host": socket.gethostname()}
-    if str(lock) in _held:
-        return None
-    if not _take(lock):
-        return _in_use_message(ckpt_dir, lock, _lock_holder(lock) or {})
-    # The file may name a run that holds no flock: one on another host (flock may not reach
-    # across hosts) or one started by an older version. A live one still counts, a gone one not.
-    previous = _lock_holder(lock)
-    if previous is not None and {key: previous.get(key) for key in here} != here:
-        os.close(_held.pop(str(lock)))
-        return _in_use_message(ckpt_dir, lock, previous)
-    fd = _held[str(lock)]
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps({**here, "time": time.time()}).encode(), 0)
-    atexit.register(release_lock, ckpt_dir)
-    return None
-
-
-def _in_use_message(ckpt_dir: Path, lock: Path, holder: dict[str, Any]) -> str:
-    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(holder.get("time", 0))))
-    return (
-        f"checkpoint dir {ckpt_dir} is in use by another run (pid {holder.get('pid')} on {holder.get('host')}, "
-        f"since {since}); give this run its own trainer.checkpoint.dir, or remove {lock} if that run is gone"
-    )
-
-
-def acquire_lock(ckpt_dir: Path) -> None:
-    """Rank 0 takes `ckpt_dir`'s lock for this run (a flock, with pid + host written in the file
-    for the message); another live run holding it is a ConfigError on every rank. Released by
-    `release_lock` (and at process exit)."""
-    problem = None
-    if dev.is_main_process():
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        problem = _in_use(ckpt_dir, ckpt_dir / LOCK)
-    problem = dev.broadcast_object(problem)
-    if problem:
-        raise ConfigError(problem)
-
-
-def release_lock(ckpt_dir: Path) -> None:
-    """Give `ckpt_dir`'s lock back if this process holds it."""
-    lock = ckpt_dir / LOCK
-    fd = _held.pop(str(lock), None)
-    if fd is not None:
-        lock.unlink(missing_ok=True)
-        os.close(fd)
-
-
 # ---------------------------------------------------------------------------- another world size
 
 
@@ -341,18 +287,29 @@ def to_universal(path: Path) -> Path:
 def _convert(path: Path, out: Path, meta: dict[str, Any]) -> None:
     """Run DeepSpeed's ds_to_universal on `path` into a new, empty dir (the converter unpickles
     files it finds in its output dir: only its own may be there), then put it in place as `out`."""
-    fresh = Path(tempfile.mkdtemp(prefix=out.name + ".converting-", dir=out.parent))
+    remove_interrupted(out.parent)
+    fresh = Path(tempfile.mkdtemp(prefix=f"{out.name}{CONVERTING}{os.getpid()}-", dir=out.parent))
     try:
         cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(path)]
         cmd += ["--output_folder", str(fresh)]
         if int(meta["zero_stage"]) == 2:
             cmd.append("--inject_missing_state")
-        with watchdog.suspended():
-            result = subprocess.run(cmd, capture_output=True, text=True)
+        with watchdog.suspended(watchdog.LONG_WORK, "converting a checkpoint"):
+            limit = watchdog.budget()  # stopped (SIGSTOP) or stuck, it is killed before the watchdog fires
+            try:
+                result = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
+            except subprocess.TimeoutExpired:
+                raise CheckpointError(
+                    f"converting {path} for another world size took more than {limit:.0f} s "
+                    f"({watchdog.LONG_WORK} x trainer.timeout_s, less the wait so far): DeepSpeed's "
+                    "ds_to_universal was stopped or is stuck; it was ended (raise trainer.timeout_s for a "
+                    "very large checkpoint)"
+                ) from None
         if result.returncode != 0:
+            lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
             raise CheckpointError(
-                f"could not convert {path} for another world size (DeepSpeed's ds_to_universal failed):\n"
-                + result.stderr[-2000:]
+                f"could not convert {path} for another world size (DeepSpeed's ds_to_universal failed: "
+                f"{lines[-1] if lines else f'exit code {result.returncode}'})"
             )
         for file in path.glob(RANK_FILE.format(rank=0).replace("00000", "*")):
             shutil.copy(file, fresh / file.name)

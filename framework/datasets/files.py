@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import math
 from pathlib import Path
 
 import torch
@@ -40,6 +41,11 @@ def _parse(file: Path, label_column: str) -> tuple[list[list[float]], list[int]]
                     raise ConfigError(
                         f"{file}, row {line}, column '{column}': {cell!r} is not {kind}"
                     ) from None
+                if not math.isfinite(values[-1]):  # float() reads "nan" and "inf" without complaint
+                    raise ConfigError(
+                        f"{file}, row {line}, column '{column}': {cell!r} is not a finite number; "
+                        "fill or drop that row (a NaN or inf input makes every loss and metric NaN)"
+                    )
             labels.append(int(values.pop(label_at)))
             features.append(values)
     if not labels:

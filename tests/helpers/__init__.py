@@ -43,6 +43,24 @@ class KillRank(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class StopRank(Callback):
+    """Stop this process (SIGSTOP, as a debugger or a frozen node would) at `step` on `rank`."""
+
+    def __init__(self, rank: int = 1, step: int = 3, marker: str | None = None):
+        self.rank, self.step, self.marker = rank, step, marker
+
+    def on_step_end(self, state):
+        import os
+        import signal
+        import time
+
+        if device.rank() == self.rank and state.global_step == self.step:
+            if self.marker:  # when it stopped, for a test that measures how long the job took to end
+                with open(self.marker, "w") as f:
+                    f.write(str(time.time()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+
 class SlowDown(Callback):
     """Sleep after every step (numerics untouched): gives a test time to kill a run mid-way."""
 
