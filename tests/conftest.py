@@ -23,7 +23,7 @@ if os.environ.get("HYDRASPEED_TEST_GPU") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 # A small, fast run of the real config (the data and model are the shipped defaults).
-FAST = ["trainer.epochs=1", "trainer.log_every=5", "trainer.batch_size=64"]
+FAST = ["trainer.epochs=1", "trainer.log_freq=5", "trainer.batch_size=64"]
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

@@ -72,7 +72,7 @@ CASES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, case):
-    args = [*CASES[case], "trainer.epochs=2", "trainer.log_every=1", "trainer.checkpoint.every_n_steps=5"]
+    args = [*CASES[case], "trainer.epochs=2", "trainer.log_freq=1", "trainer.checkpoint.save_freq=5"]
     full = run_train(args, tmp_path / "full")
     assert full.returncode == 0, full.stderr[-3000:]
     total = final_metrics(tmp_path / "full")["step"]
@@ -92,7 +92,7 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, case):
 
 def _two_checkpoint_run(tmp_path: Path) -> Path:
     run = run_train(
-        [*FAST, "trainer.checkpoint.every_n_steps=5", "trainer.checkpoint.keep_last_k=2"], tmp_path
+        [*FAST, "trainer.checkpoint.save_freq=5", "trainer.checkpoint.keep_last_k=2"], tmp_path
     )
     assert run.returncode == 0, run.stderr[-3000:]
     return tmp_path / "checkpoints"
@@ -175,7 +175,7 @@ def test_export_loads_strict_into_the_plain_model_with_the_same_predictions(tmp_
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["zero2", "zero3"])
 def test_resume_a_two_process_checkpoint_on_one_process(tmp_path, strategy):
-    args = [f"+strategy={strategy}", "trainer.epochs=2", "trainer.checkpoint.every_n_steps=10"]
+    args = [f"+strategy={strategy}", "trainer.epochs=2", "trainer.checkpoint.save_freq=10"]
     two = run_train([*args, "trainer.devices=2", "trainer.max_steps=30"], tmp_path)
     assert two.returncode == 0, two.stderr[-3000:]
     one = run_train([*args, "trainer.resume=auto"], tmp_path)
@@ -219,8 +219,8 @@ def test_pipeline_sigkill_then_resume_logs_the_same_losses(tmp_path):
         "experiment=gpt_pipeline",
         "trainer.max_steps=16",
         "trainer.steps_per_epoch=8",
-        "trainer.log_every=1",
-        "trainer.checkpoint.every_n_steps=4",
+        "trainer.log_freq=1",
+        "trainer.checkpoint.save_freq=4",
         "trainer.valid_at_start=false",
         "data.dataset.max_chars=200000",
     ]

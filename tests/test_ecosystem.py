@@ -307,8 +307,8 @@ config:
 """
 COMMON = [
     "model=my_gpt2", "data=chars", "data.dataset.max_chars=60000", "data.shuffle=false", "loss=lm",
-    "metrics=none", "scheduler=constant", "trainer.max_steps=10", "trainer.log_every=1",
-    "trainer.batch_size=8", "trainer.valid_every=100", "trainer.checkpoint.enabled=false",
+    "metrics=none", "scheduler=constant", "trainer.max_steps=10", "trainer.log_freq=1",
+    "trainer.batch_size=8", "trainer.valid_freq=100", "trainer.checkpoint.enabled=false",
 ]  # fmt: skip
 
 
@@ -408,7 +408,7 @@ def test_a_project_config_dir_is_what_the_prechecks_see(project):
 
 def test_the_tiny_llama_experiment_runs_under_zero3_on_two_processes(tmp_path):
     run = run_cmd([sys.executable, str(ROOT / "train.py"), "experiment=hf_llama_chars", "trainer.max_steps=4",
-                   "data.dataset.max_chars=60000", "trainer.log_every=2", f"hydra.run.dir={tmp_path}"], timeout=240)  # fmt: skip
+                   "data.dataset.max_chars=60000", "trainer.log_freq=2", f"hydra.run.dir={tmp_path}"], timeout=240)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     assert json.loads((tmp_path / "final_metrics.json").read_text())["step"] == 4
     # rank 0's console is also in the run dir's log file, with the model's true size

@@ -313,7 +313,7 @@ def test_the_cli_fine_tunes_a_classifier_dir_and_exports_it_with_its_tokenizer_a
             "model=hf_sequence_classification", f"model.path={model_dir}", "model.num_labels=2",
             "data=hf_classification", f"data.dataset.data_files={classification_files / 'rows.jsonl'}",
             "loss=model", "metrics.accuracy.num_classes=2", "scheduler=constant", "trainer.epochs=2",
-            "trainer.batch_size=32", "trainer.log_every=5",
+            "trainer.batch_size=32", "trainer.log_freq=5",
         ],
         tmp_path / "run",
     )  # fmt: skip

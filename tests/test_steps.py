@@ -183,7 +183,7 @@ def test_iterator_step_example(tmp_path, flavour, expect):
 
 def test_iterator_step_from_config_counts_fetched_batches(tmp_path):
     step = "step={_target_:examples.iterator_step.two_batch_step,_partial_:true}"
-    run = run_train([step, *FAST, "trainer.log_every=2"], tmp_path)
+    run = run_train([step, *FAST, "trainer.log_freq=2"], tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r["kind"] == "step"]
@@ -209,7 +209,7 @@ def test_gpt_pipeline_learns_and_matches_the_unpipelined_run(tmp_path):
     common = [
         "experiment=gpt_pipeline",
         "trainer.max_steps=30",
-        "trainer.log_every=5",
+        "trainer.log_freq=5",
         "trainer.steps_per_epoch=30",
     ]
     pipe = run_train(common, tmp_path / "pipe", timeout=300)  # the experiment asks for trainer.devices=2

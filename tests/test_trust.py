@@ -269,7 +269,7 @@ def test_engine_load_reads_zero_partitions_of_another_data_parallel_size(tmp_pat
 @pytest.mark.parametrize(
     "override, words",
     [
-        ("trainer.valid_every=0", "trainer.valid_every=0: must be a finite number >= 1"),
+        ("trainer.valid_freq=0", "trainer.valid_freq=0: must be a finite number >= 1"),
         (
             "trainer.checkpoint.keep_last_k=-1",
             "trainer.checkpoint.keep_last_k=-1: must be a finite number >= 0",
@@ -366,7 +366,7 @@ def test_disk_full_names_the_space_and_keeps_the_last_checkpoint(tmp_path):
         pytest.skip("cannot mount a small filesystem here (needs unshare -rm)")
     args = [
         *FAST,
-        "trainer.checkpoint.every_n_steps=5",
+        "trainer.checkpoint.save_freq=5",
         "trainer.checkpoint.keep_last_k=0",
         f"trainer.checkpoint.dir={ckpt}",
     ]

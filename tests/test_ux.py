@@ -92,7 +92,7 @@ def test_verbose_shows_the_traceback(tmp_path):
 
 
 def test_a_nan_loss_keeps_the_last_good_checkpoint(tmp_path):
-    run = run_train(["optimizer=sgd", "optimizer.lr=1e6", "trainer.checkpoint.every_n_steps=1"], tmp_path)
+    run = run_train(["optimizer=sgd", "optimizer.lr=1e6", "trainer.checkpoint.save_freq=1"], tmp_path)
     assert run.returncode != 0
     saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step_"))
     bad_step = int(run.stderr.split("at step ")[1].split()[0])
@@ -100,7 +100,7 @@ def test_a_nan_loss_keeps_the_last_good_checkpoint(tmp_path):
 
 
 def test_metrics_jsonl_and_files_after_a_short_run(tmp_path):
-    run = run_train([*FAST, "trainer.log_every=4"], tmp_path)
+    run = run_train([*FAST, "trainer.log_freq=4"], tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r["kind"] == "step"]
