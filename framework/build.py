@@ -23,7 +23,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from framework import checkpoint, construct
+from framework import checkpoint, construct, slurm
 from framework import device as dev
 from framework.callbacks import Callback
 from framework.checkpoint import preemption
@@ -66,8 +66,10 @@ def _with_key(key: str, fn: Any, *args: Any) -> Any:
         raise ConfigError(f"{key}: {exc}") from None
 
 
-def build_fit_config(cfg: DictConfig, ckpt_dir: Path, handle_preemption: bool) -> FitConfig:
-    """`Engine.fit`'s arguments from `trainer.*` and `data.*`."""
+def build_fit_config(
+    cfg: DictConfig, ckpt_dir: Path, handle_preemption: bool, resume: str | None
+) -> FitConfig:
+    """`Engine.fit`'s arguments from `trainer.*` and `data.*` (`resume`: see `resume_choice`)."""
     t = cfg.trainer
     return FitConfig(
         epochs=t.epochs,
@@ -84,11 +86,23 @@ def build_fit_config(cfg: DictConfig, ckpt_dir: Path, handle_preemption: bool) -
         save_dir=str(ckpt_dir) if t.checkpoint.enabled else None,
         save_freq=t.checkpoint.every_n_steps,
         keep_last_k=t.checkpoint.keep_last_k,
-        resume=t.resume,
+        resume=resume,
         handle_preemption=handle_preemption,
         peak_tflops=t.peak_tflops,
         timeout_s=float(t.timeout_s),  # a stuck rank ends the job within timeout_s
     )
+
+
+def resume_choice(cfg: DictConfig) -> str | None:
+    """`trainer.resume`; unset in a requeued Slurm job (the time limit or a preemption stopped its
+    earlier attempt, which saved), `auto`: the attempt goes on from the newest checkpoint."""
+    if cfg.trainer.resume is None and cfg.trainer.checkpoint.enabled and slurm.requeued():
+        if dev.is_main_process():
+            print(
+                f"slurm: requeued (attempt {int(os.environ['SLURM_RESTART_COUNT']) + 1}): trainer.resume=auto"
+            )
+        return "auto"
+    return None if cfg.trainer.resume is None else str(cfg.trainer.resume)
 
 
 def checkpoint_dir(cfg: DictConfig, output_dir: str | Path) -> Path:
@@ -263,10 +277,13 @@ def _fit(cfg: DictConfig, engine: Engine, splits: Any, ckpt_dir: Path) -> dict[s
     preempt = t.checkpoint.enabled and threading.current_thread() is threading.main_thread()
     if preempt:
         preemption.install_handler()
-    if t.init_from and not (t.resume and (t.resume != "auto" or checkpoint.find_resumable(ckpt_dir))):
+    resume = resume_choice(cfg)
+    if t.init_from and not (resume and (resume != "auto" or checkpoint.find_resumable(ckpt_dir))):
         engine.prepare("train", int(t.batch_size))
         engine.load(str(t.init_from))  # a fresh start from these weights
-    return engine.fit(splits.train, splits.valid, **build_fit_config(cfg, ckpt_dir, preempt).as_kwargs())
+    return engine.fit(
+        splits.train, splits.valid, **build_fit_config(cfg, ckpt_dir, preempt, resume).as_kwargs()
+    )
 
 
 def train(cfg: DictConfig, output_dir: str | None, context: dict[str, Any] | None = None) -> float | None:

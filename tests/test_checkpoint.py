@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from framework import checkpoint, device
+from framework.checkpoint.preemption import EXIT_PREEMPTED
 from framework.export import fp32_state_dict, load_weights
 from framework.models import MLP
 
@@ -141,7 +142,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, devices):
     signalled = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err[-3000:]
+    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]  # saved, not finished: requeue me
     assert "preempted (SIGTERM): checkpoint saved at step" in out
     assert time.monotonic() - signalled < 20  # the launcher does not wait out torch elastic's 30 s
     saved = checkpoint.find_resumable(tmp_path / "checkpoints")
