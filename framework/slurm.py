@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import subprocess
 from collections.abc import Iterator, Mapping
 
 _RANGE = re.compile(r"\[([^\]]*)\]")
@@ -106,3 +108,17 @@ def requeued(env: Mapping[str, str] | None = None) -> bool:
     requeue after a time-limit signal): its earlier attempt's checkpoint is the place to go on."""
     env = os.environ if env is None else env
     return "SLURM_JOB_ID" in env and int(env.get("SLURM_RESTART_COUNT", "0") or 0) > 0
+
+
+def gpus_per_node(accelerator: str, devices: int, partition: str | None = None) -> int | None:
+    """GPUs to request per node for a run (`conf/hydra/launcher/slurm.yaml`): `trainer.devices`
+    when the run trains on GPUs (accelerator cuda, or auto on a cluster whose nodes have GPUs, as
+    `sinfo` lists their generic resources), None (no --gpus-per-node) otherwise: a CPU cluster
+    rejects any GPU request ("Invalid generic resource (gres) specification")."""
+    if accelerator == "cpu":
+        return None
+    if accelerator == "cuda" or shutil.which("sinfo") is None:
+        return devices
+    cmd = ["sinfo", "-h", "-o", "%G", *(["-p", partition] if partition else [])]
+    listed = subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
+    return devices if "gpu" in listed.lower() else None

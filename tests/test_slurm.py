@@ -3,12 +3,24 @@ statuses, and a real Slurm (two `slurmd` on this machine as two nodes; see tests
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from framework import slurm, sweep
+from framework import checkpoint, slurm, sweep
+
+from .conftest import FAST, ROOT, final_metrics, popen, subprocess_env
+from .slurm_cluster import SlurmCluster, ensure_installed
+
+pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.mark.parametrize(
@@ -105,3 +117,145 @@ def test_the_sweep_summary_tells_finished_from_preempted_requeued_and_failed(tmp
         ("failed", 12),
     ]
     assert json.loads((tmp_path / "summary.json").read_text()) == rows
+
+
+# --- a real Slurm: two nodes on this machine -------------------------------------------------
+
+SLOW = "+callbacks.slow={_target_:tests.helpers.SlowDown,seconds:0.1}"
+ARGS = [*FAST, "trainer.epochs=3", SLOW]  # 66 optimizer steps on 2 ranks, ~7 s of training
+TIMING = ("samples_per_s", "tokens_per_s", "mfu")
+
+
+def _numbers(run_dir: Path) -> dict:
+    """final_metrics.json without the measured timings (they differ run to run)."""
+    return {k: v for k, v in final_metrics(run_dir).items() if k not in TIMING and not k.startswith("time_")}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    reason = ensure_installed()
+    if reason:
+        print(f"skipping the real-Slurm tests: {reason}")
+        pytest.skip(reason)
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def srun(cluster: SlurmCluster, run_dir: Path, *extra: str, timeout: float = 240):
+    cmd = ["srun", "--nodes=2", "--ntasks=2", f"--chdir={ROOT}", sys.executable, "train.py"]
+    return cluster.run(
+        [*cmd, *ARGS, *extra, f"hydra.run.dir={run_dir}"], timeout=timeout, env=subprocess_env()
+    )
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cluster, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """`srun --nodes=2 --ntasks=2 python train.py ...` run to the end: the reference."""
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    return run_dir, srun(cluster, run_dir)
+
+
+def wait_for_records(run_dir: Path, count: int = 3, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(FileNotFoundError):
+            if len((run_dir / "metrics.jsonl").read_text().splitlines()) >= count:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"no training records in {run_dir} after {timeout} s")
+
+
+def only_job(cluster: SlurmCluster) -> str:
+    jobs = cluster.run(["squeue", "-h", "-o", "%i"]).stdout.split()
+    assert len(jobs) == 1, jobs
+    return jobs[0]
+
+
+def reasons(ckpts: Path) -> list[str]:
+    return [
+        json.loads((p / "COMPLETE.json").read_text())["reason"]
+        for p in checkpoint.complete_checkpoints(ckpts)
+    ]
+
+
+def test_plain_srun_with_two_tasks_on_two_nodes_forms_one_group(uninterrupted):
+    run_dir, run = uninterrupted
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert re.search(r"slurm: 2 tasks of job \d+ joined one group \(srun; .* master hs-n1:\d+\)", run.stdout)
+    assert _numbers(run_dir)["step"] == 66  # a global batch of 64 over 2 ranks, 3 epochs
+    newest = checkpoint.complete_checkpoints(run_dir / "checkpoints")[-1]
+    assert json.loads((newest / "COMPLETE.json").read_text())["dp_size"] == 2
+    assert (run_dir / "metrics.jsonl").read_text().count('"kind": "epoch"') == 3  # rank 0 alone wrote
+
+
+def test_a_time_limit_signal_under_submitit_saves_requeues_and_finishes_alike(
+    cluster, uninterrupted, tmp_path
+):
+    """The README's sweep on two nodes; Slurm's time-limit warning (submitit asks for USR2, sent
+    here at once with scancel --signal) -> checkpoint -> submitit requeues -> the requeued
+    attempt resumes by itself -> the same final metrics as the uninterrupted run."""
+    args = ["-m", "hydra/launcher=slurm", "hydra.launcher.nodes=2", "hydra.launcher.timeout_min=5", *ARGS]
+    proc = popen([sys.executable, str(ROOT / "train.py"), *args, f"hydra.sweep.dir={tmp_path}"],
+                 env=subprocess_env(SLURM_CONF=cluster.env["SLURM_CONF"]))  # fmt: skip
+    try:
+        wait_for_records(tmp_path / "0")
+        job = only_job(cluster)
+        assert cluster.run(["scancel", "--signal=USR2", job]).returncode == 0
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    assert "restarts=1" in cluster.job_state(job)
+    assert "preempted" in reasons(tmp_path / "0" / "checkpoints")
+    assert _numbers(tmp_path / "0") == _numbers(uninterrupted[0])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [(row["status"], row["step"]) for row in summary] == [("ok", 66)]
+
+
+SBATCH = """#!/bin/bash
+#SBATCH --nodes=2 --ntasks=2 --signal=USR1@60 --requeue --output={out}/slurm-%j.out
+srun python train.py {args} hydra.run.dir={out}
+code=$?
+if [ $code -eq 75 ]; then scontrol requeue $SLURM_JOB_ID; fi
+exit $code
+"""
+
+
+def test_the_readme_sbatch_script_requeues_on_the_time_limit_signal_and_finishes_alike(
+    cluster, uninterrupted, tmp_path
+):
+    """USR1 (what `--signal=USR1@60` sends to the job's tasks before the time limit, sent at once
+    here) -> checkpoint -> exit 75 -> the script requeues -> the attempt resumes -> finished."""
+    script = tmp_path / "job.sh"
+    script.write_text(SBATCH.format(out=tmp_path, args=" ".join(f"'{a}'" for a in ARGS)))
+    submitted = cluster.run(["sbatch", "--parsable", f"--chdir={ROOT}", str(script)], env=subprocess_env())
+    job = submitted.stdout.strip().split(";")[0]
+    assert job.isdigit(), submitted.stderr
+    wait_for_records(tmp_path)
+    assert cluster.run(["scancel", "--signal=USR1", job]).returncode == 0
+    state = cluster.wait_job(job, timeout=300)
+    assert state.startswith("COMPLETED 0:0") and "restarts=1" in state, state
+    assert "preempted" in reasons(tmp_path / "checkpoints")
+    assert _numbers(tmp_path) == _numbers(uninterrupted[0])
+
+
+def test_scancel_saves_a_checkpoint_and_the_run_resumes_to_the_same_result(cluster, uninterrupted, tmp_path):
+    command = f"srun python train.py {' '.join(repr(a) for a in ARGS)} hydra.run.dir={tmp_path}"
+    submitted = cluster.run(["sbatch", "--parsable", "--nodes=2", "--ntasks=2", f"--chdir={ROOT}",
+                             f"--output={tmp_path}/slurm-%j.out", "--wrap", command], env=subprocess_env())  # fmt: skip
+    job = submitted.stdout.strip().split(";")[0]
+    assert job.isdigit(), submitted.stderr
+    wait_for_records(tmp_path)
+    assert cluster.run(["scancel", job]).returncode == 0
+    assert cluster.wait_job(job).startswith("CANCELLED")
+    saved = json.loads((checkpoint.find_resumable(tmp_path / "checkpoints") / "COMPLETE.json").read_text())
+    assert saved["reason"] == "preempted" and 0 < saved["step"] < 66
+    assert json.loads((tmp_path / "status.json").read_text())["status"] == "preempted"
+    resumed = srun(cluster, tmp_path, "trainer.resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _numbers(tmp_path) == _numbers(uninterrupted[0])

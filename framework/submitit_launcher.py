@@ -1,0 +1,81 @@
+"""Hydra's submitit Slurm launcher, with what Slurm refuses said in one line.
+
+* A submission sbatch rejects (a GPU request on a CPU cluster, memory no node has) ends the
+  sweep with sbatch's own message, not a traceback.
+* A job Slurm accepted but can never start (more CPUs per node than the partition allows: it
+  would stay PENDING with `Reason=PartitionConfig` while the launcher waits forever) is
+  cancelled within seconds, with the reason.
+
+Preemption and time limits need nothing here: the jobs save, and submitit's own handler requeues
+them (framework.checkpoint.preemption).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as _SubmititSlurmLauncher
+
+# squeue reasons that no waiting resolves: the request exceeds what the partition or account allows.
+NEVER_STARTS = ("PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints",
+                "InvalidAccount", "InvalidQOS", "QOSMaxCpuPerJobLimit", "QOSMaxGRESPerJob")  # fmt: skip
+
+
+def _sbatch_message(exc: BaseException) -> str:
+    """sbatch's own error line out of submitit's exception text."""
+    lines = [line.strip() for line in str(exc).splitlines() if "error" in line.lower()]
+    return (lines[-1] if lines else str(exc).strip().splitlines()[-1]).removeprefix("Error: ")
+
+
+class _PendingWatch(threading.Thread):
+    """Cancels this sweep's jobs that Slurm says can never start, naming why."""
+
+    def __init__(self, folder: str):
+        super().__init__(name="hydraspeed-pending-watch", daemon=True)
+        self.folder, self.stop = folder, threading.Event()
+        self.reasons: dict[str, str] = {}  # job id -> squeue's reason
+
+    def run(self) -> None:
+        while not self.stop.wait(2.0):
+            try:
+                listed = subprocess.run(
+                    ["squeue", "-h", "-t", "PENDING", "-o", "%i|%r|%o"],
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                ).stdout
+            except (OSError, subprocess.SubprocessError):
+                continue
+            for line in listed.splitlines():
+                job, reason, command = (line.split("|", 2) + ["", ""])[:3]
+                if command.startswith(self.folder) and reason in NEVER_STARTS and job not in self.reasons:
+                    self.reasons[job] = reason
+                    subprocess.run(["scancel", job], capture_output=True, timeout=30)
+
+
+class SlurmLauncher(_SubmititSlurmLauncher):  # type: ignore[misc]
+    """`conf/hydra/launcher/slurm.yaml`'s launcher: submitit's, with one-line refusals."""
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Any:
+        """Submit and wait as submitit's launcher does; what Slurm refuses ends the sweep in one line."""
+        folder = str(self.params["submitit_folder"]).split("%j")[0]
+        watch = _PendingWatch(folder)
+        watch.start()
+        try:
+            return super().launch(job_overrides, initial_job_idx)
+        except Exception as exc:
+            if watch.reasons:
+                said = ", ".join(f"job {job}: Reason={reason}" for job, reason in watch.reasons.items())
+                message = f"Slurm can never start this request ({said}); see `scontrol show partition`"
+            elif "sbatch" in str(exc):
+                message = _sbatch_message(exc)
+            else:
+                raise
+            print(f"Error: {message}", file=sys.stderr)
+            raise SystemExit(1) from None
+        finally:
+            watch.stop.set()
