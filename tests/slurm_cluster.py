@@ -23,6 +23,10 @@ SlurmctldPort={ctld_port}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# A requeued job may start again after cred_expire + 1 s (default 120) at the scheduler's next
+# pass (default every 60 s): both short here, so a requeue costs seconds.
+AuthInfo=cred_expire=5
+SchedulerParameters=sched_interval=2,bf_interval=2
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool-%n
 SlurmctldPidFile={root}/slurmctld.pid

@@ -159,9 +159,11 @@ def uninterrupted(cluster, tmp_path_factory) -> tuple[Path, subprocess.Completed
     return run_dir, srun(cluster, run_dir)
 
 
-def wait_for_records(run_dir: Path, count: int = 3, timeout: float = 180) -> None:
+def wait_for_records(run_dir: Path, count: int = 3, timeout: float = 180, proc=None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the launcher ended early: {proc.stderr.read()[-3000:]}")
         with contextlib.suppress(FileNotFoundError):
             if len((run_dir / "metrics.jsonl").read_text().splitlines()) >= count:
                 return
@@ -202,7 +204,7 @@ def test_a_time_limit_signal_under_submitit_saves_requeues_and_finishes_alike(
     proc = popen([sys.executable, str(ROOT / "train.py"), *args, f"hydra.sweep.dir={tmp_path}"],
                  env=subprocess_env(SLURM_CONF=cluster.env["SLURM_CONF"]))  # fmt: skip
     try:
-        wait_for_records(tmp_path / "0")
+        wait_for_records(tmp_path / "0", proc=proc)
         job = only_job(cluster)
         assert cluster.run(["scancel", "--signal=USR2", job]).returncode == 0
         out, err = proc.communicate(timeout=300)
