@@ -17,7 +17,7 @@ import pytest
 
 from framework import checkpoint, slurm, sweep
 
-from .conftest import FAST, ROOT, final_metrics, popen, subprocess_env
+from .conftest import FAST, ROOT, final_metrics, popen, run_cmd, subprocess_env
 from .slurm_cluster import SlurmCluster, ensure_installed
 
 pytestmark = pytest.mark.timeout(600)
@@ -261,3 +261,26 @@ def test_scancel_saves_a_checkpoint_and_the_run_resumes_to_the_same_result(clust
     resumed = srun(cluster, tmp_path, "trainer.resume=auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _numbers(tmp_path) == _numbers(uninterrupted[0])
+
+
+def test_what_slurm_refuses_is_one_line_not_a_traceback_or_a_silent_wait(cluster, tmp_path):
+    def sweep(*extra: str):
+        args = [
+            "-m",
+            "hydra/launcher=slurm",
+            *FAST,
+            *extra,
+            f"hydra.sweep.dir={tmp_path / str(len(extra[0]))}",
+        ]
+        return run_cmd([sys.executable, str(ROOT / "train.py"), *args], timeout=90,
+                       env=subprocess_env(SLURM_CONF=cluster.env["SLURM_CONF"]))  # fmt: skip
+
+    gpus = sweep("trainer.accelerator=cuda")  # a GPU request on a cluster without GPUs: sbatch refuses
+    assert gpus.returncode == 1 and "Traceback" not in gpus.stderr
+    assert "Error: sbatch: error: Invalid generic resource (gres) specification" in gpus.stderr
+    cpus = sweep("hydra.launcher.cpus_per_task=64")  # accepted, but would stay PENDING forever
+    assert cpus.returncode == 1 and "Traceback" not in cpus.stderr
+    assert re.search(
+        r"Error: Slurm can never start this request \(job \d+: Reason=PartitionConfig\)", cpus.stderr
+    )
+    assert cluster.run(["squeue", "-h"]).stdout.strip() == ""  # cancelled, not left pending

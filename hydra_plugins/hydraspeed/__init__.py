@@ -1,4 +1,6 @@
-"""Hydra's submitit Slurm launcher, with what Slurm refuses said in one line.
+"""hydraspeed's Slurm launcher for Hydra (`hydra/launcher=slurm`): hydra-submitit-launcher's,
+with what Slurm refuses said in one line. (Hydra takes launchers only from the `hydra_plugins`
+namespace, hence this package beside `framework`.)
 
 * A submission sbatch rejects (a GPU request on a CPU cluster, memory no node has) ends the
   sweep with sbatch's own message, not a traceback.
@@ -12,6 +14,7 @@ them (framework.checkpoint.preemption).
 
 from __future__ import annotations
 
+import _thread
 import subprocess
 import sys
 import threading
@@ -55,6 +58,7 @@ class _PendingWatch(threading.Thread):
                 if command.startswith(self.folder) and reason in NEVER_STARTS and job not in self.reasons:
                     self.reasons[job] = reason
                     subprocess.run(["scancel", job], capture_output=True, timeout=30)
+                    _thread.interrupt_main()  # submitit may not learn of it (no accounting): stop waiting
 
 
 class SlurmLauncher(_SubmititSlurmLauncher):  # type: ignore[misc]
@@ -67,7 +71,7 @@ class SlurmLauncher(_SubmititSlurmLauncher):  # type: ignore[misc]
         watch.start()
         try:
             return super().launch(job_overrides, initial_job_idx)
-        except Exception as exc:
+        except (Exception, KeyboardInterrupt) as exc:
             if watch.reasons:
                 said = ", ".join(f"job {job}: Reason={reason}" for job, reason in watch.reasons.items())
                 message = f"Slurm can never start this request ({said}); see `scontrol show partition`"
