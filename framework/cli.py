@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from framework import device as dev
-from framework import sweep
+from framework import slurm, sweep
 from framework.argv import HydraView, check_group_choice, check_untyped_keys, normalize, untyped_overrides
 from framework.build import checkpoint_dir, train, validate
 from framework.checkpoint import preemption
@@ -180,16 +180,18 @@ def run(cfg: DictConfig) -> float | None:
         sys.stderr.flush()
         os._exit(code)
     if preemption.saved_step() is not None:
-        _end_preempted(Path(output_dir))
+        return _end_preempted(Path(output_dir))
     if dev.rank() == 0:
         sweep.write_status(Path(output_dir), "ok")
     return value
 
 
-def _end_preempted(output_dir: Path) -> NoReturn:
+def _end_preempted(output_dir: Path) -> float:
     """A preempted run that saved: exit `EXIT_PREEMPTED` (every rank) for the job script to
     requeue; under submitit, a USR1/USR2 goes on to submitit's own handler, which requeues the job
-    (and ends the process itself). The sweep summary reads the status written here."""
+    (and ends the process itself). A submitit job that is not requeued returns NaN instead, so
+    submitit records a result and the sweep's summary (which reads the status written here)
+    names it. A local sweep ends: the signal was for the whole process."""
     main = dev.rank() == 0
     requeue = preemption.submitit_requeue()
     if main:
@@ -197,10 +199,12 @@ def _end_preempted(output_dir: Path) -> NoReturn:
     if requeue is not None:
         try:
             requeue()  # submitit requeues the job and exits; rank > 0 returns
-        except Exception:  # submitit would not requeue (e.g. max_num_timeout reached): it says why
+        except Exception as exc:  # submitit would not requeue (e.g. max_num_timeout reached)
             if main:
+                print(f"Error: not requeued: {exc}", file=sys.stderr)
                 sweep.write_status(output_dir, "preempted")
-            raise
+    if slurm.under_submitit() and _is_multirun():
+        return math.nan
     sys.stdout.flush()
     sys.stderr.flush()
     sys.exit(preemption.EXIT_PREEMPTED)

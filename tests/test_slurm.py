@@ -284,3 +284,36 @@ def test_what_slurm_refuses_is_one_line_not_a_traceback_or_a_silent_wait(cluster
         r"Error: Slurm can never start this request \(job \d+: Reason=PartitionConfig\)", cpus.stderr
     )
     assert cluster.run(["squeue", "-h"]).stdout.strip() == ""  # cancelled, not left pending
+
+
+def test_a_preempted_job_submitit_does_not_requeue_is_summarised_preempted_and_fails_the_sweep(
+    cluster, tmp_path
+):
+    """max_num_timeout=0: submitit declines the requeue after a time limit. The job saved; the
+    summary says `preempted` at the step reached (not `ok`), and the sweep exits non-zero."""
+    args = [
+        "-m",
+        "hydra/launcher=slurm",
+        "hydra.launcher.timeout_min=5",
+        "hydra.launcher.max_num_timeout=0",
+        *ARGS,
+    ]
+    proc = popen([sys.executable, str(ROOT / "train.py"), *args, f"hydra.sweep.dir={tmp_path}"],
+                 env=subprocess_env(SLURM_CONF=cluster.env["SLURM_CONF"]))  # fmt: skip
+    try:
+        wait_for_records(tmp_path / "0", proc=proc)
+        assert cluster.run(["scancel", "--signal=USR2", only_job(cluster)]).returncode == 0
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1 and "Traceback" not in err, err[-3000:]
+    [row] = json.loads((tmp_path / "summary.json").read_text())
+    assert row["status"] == "preempted" and 0 < row["step"] < 66
+    assert f"1 job(s) did not finish: 0 ({row['overrides']}): preempted at step {row['step']}" in out
+    assert (
+        json.loads((checkpoint.find_resumable(tmp_path / "0" / "checkpoints") / "COMPLETE.json").read_text())[
+            "step"
+        ]
+        == row["step"]
+    )

@@ -4,6 +4,8 @@ namespace, hence this package beside `framework`.)
 
 * A submission sbatch rejects (a GPU request on a CPU cluster, memory no node has) ends the
   sweep with sbatch's own message, not a traceback.
+* A job that ended without finishing (preempted and not requeued, killed) ends the sweep with
+  its summary and one line, not a traceback.
 * A job Slurm accepted but can never start (more CPUs per node than the partition allows: it
   would stay PENDING with `Reason=PartitionConfig` while the launcher waits forever) is
   cancelled within seconds, with the reason.
@@ -19,9 +21,13 @@ import subprocess
 import sys
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as _SubmititSlurmLauncher
+from submitit.core.utils import UncompletedJobError
+
+from framework import sweep
 
 # squeue reasons that no waiting resolves: the request exceeds what the partition or account allows.
 NEVER_STARTS = ("PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints",
@@ -64,6 +70,14 @@ class _PendingWatch(threading.Thread):
 class SlurmLauncher(_SubmititSlurmLauncher):  # type: ignore[misc]
     """`conf/hydra/launcher/slurm.yaml`'s launcher: submitit's, with one-line refusals."""
 
+    def _summarise(self, exc: BaseException) -> str:
+        """The sweep summary (Hydra's end-of-sweep callbacks do not run after a launcher error)
+        and one line on the job that ended without a result (preempted, not requeued, or killed)."""
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        sweep.print_summary(sweep.write_summary(sweep_dir), sweep_dir)
+        first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        return f"a job ended without finishing ({first.strip()}); summary: {sweep_dir / 'summary.json'}"
+
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Any:
         """Submit and wait as submitit's launcher does; what Slurm refuses ends the sweep in one line."""
         folder = str(self.params["submitit_folder"]).split("%j")[0]
@@ -75,6 +89,8 @@ class SlurmLauncher(_SubmititSlurmLauncher):  # type: ignore[misc]
             if watch.reasons:
                 said = ", ".join(f"job {job}: Reason={reason}" for job, reason in watch.reasons.items())
                 message = f"Slurm can never start this request ({said}); see `scontrol show partition`"
+            elif isinstance(exc, UncompletedJobError):  # a job ended without a result: not finished
+                message = self._summarise(exc)
             elif "sbatch" in str(exc):
                 message = _sbatch_message(exc)
             else:
