@@ -277,6 +277,8 @@ def worker_main(container: dict[str, Any], output_dir: str, context: dict[str, A
         if dev.rank() == 0 or not isinstance(exc, ConfigError):
             print(f"Error: {_explain(exc)}", file=sys.stderr, flush=True)
         sys.exit(1)
+    except KeyboardInterrupt:  # SIGINT: torch's process wrapper would exit 0 without a result
+        sys.exit(130)
 
 
 def _explain(exc: BaseException) -> str:

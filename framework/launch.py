@@ -176,7 +176,8 @@ def _workers() -> list[Any]:
     workers = []
     for child in psutil.Process().children():
         with contextlib.suppress(psutil.Error):
-            if not any("resource_tracker" in part for part in child.cmdline()):
+            tracker = any("resource_tracker" in part for part in child.cmdline())
+            if not tracker and child.status() != psutil.STATUS_ZOMBIE:
                 workers.append(child)
     return workers
 
@@ -206,17 +207,16 @@ def _run_forwarding_signals(launch: Callable[[], Any], started: float) -> Any:
     previous = {sig: signal.signal(sig, forward) for sig in PREEMPT_SIGNALS + STOP_SIGNALS}
     try:
         thread.start()
-        stop_at = None
+        stop_at = math.inf
         while thread.is_alive():
             thread.join(0.1)
-            stopping = [sig for sig in got if sig in STOP_SIGNALS]
-            if stopping and stop_at is None:
+            if stop_at == math.inf and any(sig in STOP_SIGNALS for sig in got):
                 stop_at = time.monotonic() + STOP_GRACE_S
-            if stop_at is not None and time.monotonic() > stop_at:
+            if time.monotonic() > stop_at:  # stopping: the workers had their grace period
                 for worker in _workers():
                     with contextlib.suppress(Exception):
                         worker.kill()
-                stop_at = math.inf
+                break  # (torch elastic may still wait for a return value that never comes)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

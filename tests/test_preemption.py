@@ -94,3 +94,16 @@ def test_a_preemption_signal_saves_and_ends_the_job_with_the_preempted_exit_code
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert final_metrics(tmp_path)["step"] == 110
         assert json.loads((tmp_path / "status.json").read_text())["status"] == "ok"
+
+
+def test_ctrl_c_ends_a_devices_2_job_with_130(tmp_path):
+    """SIGINT is not preemption: the launcher passes it on and the job ends at once, 128 + 2 (a
+    worker interrupted inside torch's process wrapper would otherwise exit 0 with no result and
+    leave the launcher waiting for one)."""
+    proc = start([*FAST, "trainer.epochs=5", SLOW, "trainer.devices=2"], tmp_path)
+    wait_for_steps(proc, tmp_path)
+    signalled = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the launcher and its workers
+    finish(proc, timeout=60)
+    assert proc.returncode == 130
+    assert time.monotonic() - signalled < 30
