@@ -24,10 +24,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as _SubmititSlurmLauncher
-from submitit.core.utils import UncompletedJobError
-
-from framework import sweep
+# Hydra imports every hydra_plugins module at start-up, in every Hydra app of the environment:
+# nothing heavy at import, and no error where the `sweep` extra (hydra-submitit-launcher) is missing.
+try:
+    from hydra_plugins.hydra_submitit_launcher.submitit_launcher import (
+        SlurmLauncher as _SubmititSlurmLauncher,
+    )
+except ImportError:
+    _SubmititSlurmLauncher = object
 
 # squeue reasons that no waiting resolves: the request exceeds what the partition or account allows.
 NEVER_STARTS = ("PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints",
@@ -73,6 +77,8 @@ class SlurmLauncher(_SubmititSlurmLauncher):  # type: ignore[misc]
     def _summarise(self, exc: BaseException) -> str:
         """The sweep summary (Hydra's end-of-sweep callbacks do not run after a launcher error)
         and one line on the job that ended without a result (preempted, not requeued, or killed)."""
+        from framework import sweep
+
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep.print_summary(sweep.write_summary(sweep_dir), sweep_dir)
         first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
@@ -80,6 +86,8 @@ class SlurmLauncher(_SubmititSlurmLauncher):  # type: ignore[misc]
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Any:
         """Submit and wait as submitit's launcher does; what Slurm refuses ends the sweep in one line."""
+        from submitit.core.utils import UncompletedJobError
+
         folder = str(self.params["submitit_folder"]).split("%j")[0]
         watch = _PendingWatch(folder)
         watch.start()
