@@ -5,12 +5,15 @@ stopped by PID."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import time
 from pathlib import Path
+
+import psutil
 
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
 NODES = {"hs-n1": 6821, "hs-n2": 6822}
@@ -89,6 +92,7 @@ class SlurmCluster:
         self.procs: list[subprocess.Popen] = []
 
     def start(self) -> None:
+        self.started = time.time()
         for sub in ("state", *(f"spool-{n}" for n in NODES)):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         nodes = "\n".join(
@@ -149,6 +153,18 @@ class SlurmCluster:
         raise AssertionError(f"job {job_id} still {self.job_state(job_id)} after {timeout} s")
 
     def stop(self) -> None:
+        """Cancel what still runs, wait for it to leave, then stop the daemons; job processes
+        (slurmstepd and below) that outlived that are killed by PID."""
+        with contextlib.suppress(Exception):
+            self.run(["scancel", "--full", *self.run(["squeue", "-h", "-o", "%i"]).stdout.split()])
+            deadline = time.monotonic() + 30
+            while self.run(["squeue", "-h"]).stdout.strip() and time.monotonic() < deadline:
+                time.sleep(0.5)
+        for proc in psutil.process_iter(["name", "create_time"]):
+            if proc.info["name"] == "slurmstepd" and proc.info["create_time"] >= self.started:
+                with contextlib.suppress(psutil.Error):
+                    for child in [*proc.children(recursive=True), proc]:
+                        child.kill()
         for proc in reversed(self.procs):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)

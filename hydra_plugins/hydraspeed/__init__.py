@@ -97,10 +97,10 @@ class SlurmLauncher(_SubmititSlurmLauncher):  # type: ignore[misc]
             if watch.reasons:
                 said = ", ".join(f"job {job}: Reason={reason}" for job, reason in watch.reasons.items())
                 message = f"Slurm can never start this request ({said}); see `scontrol show partition`"
+            elif "sbatch: error" in str(exc):  # submitit raises sbatch's refusal as a job error
+                message = _sbatch_message(exc)
             elif isinstance(exc, UncompletedJobError):  # a job ended without a result: not finished
                 message = self._summarise(exc)
-            elif "sbatch" in str(exc):
-                message = _sbatch_message(exc)
             else:
                 raise
             print(f"Error: {message}", file=sys.stderr)
