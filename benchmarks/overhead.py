@@ -29,7 +29,7 @@ def worker(stage: int, steps: int, rounds: int, hidden: int, batch: int) -> dict
     from framework.data import train_loader
     from framework.ds_config import deepspeed_config
     from framework.models import MLP
-    from framework.strategy import batch_layout
+    from framework.plan import batch_layout
 
     quiet()
     device.init_process_group()

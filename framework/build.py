@@ -27,13 +27,14 @@ from framework import checkpoint, construct, slurm
 from framework import device as dev
 from framework.callbacks import Callback
 from framework.checkpoint import preemption
-from framework.config import check_schema
+from framework.config import RENAMED, check_schema
 from framework.engine import Engine
 from framework.errors import ConfigError
+from framework.fit_config import FitConfig
 from framework.launch import check_launched_devices
 from framework.loggers import MetricsFile
-from framework.loops import FitConfig
-from framework.runtime import Runtime, check_layout
+from framework.plan import batch_layout
+from framework.runtime import Runtime
 from framework.state import LoopState
 from framework.strategy import Strategy
 
@@ -54,7 +55,7 @@ def validate(cfg: DictConfig, world_size: int) -> Strategy:
     """Checks that need no process group: schema, strategy, batch split over `world_size`."""
     check_schema(cfg)
     strategy = build_strategy(cfg)
-    _with_key("trainer.batch_size", check_layout, strategy, int(cfg.trainer.batch_size), world_size)
+    _with_key("trainer.batch_size", batch_layout, strategy, int(cfg.trainer.batch_size), world_size)
     return strategy
 
 
@@ -75,8 +76,8 @@ def build_fit_config(
         epochs=t.epochs,
         batch_size=t.batch_size,
         steps_per_epoch=t.steps_per_epoch,
-        valid_freq=t.valid_every,
-        log_freq=t.log_every,
+        valid_freq=renamed(cfg, "trainer.valid_every"),
+        log_freq=renamed(cfg, "trainer.log_every"),
         max_steps=t.max_steps,
         valid_batch_size=t.valid_batch_size,
         shuffle=cfg.data.shuffle,
@@ -84,7 +85,7 @@ def build_fit_config(
         num_workers=cfg.data.num_workers,
         valid_at_start=t.valid_at_start,
         save_dir=str(ckpt_dir) if t.checkpoint.enabled else None,
-        save_freq=t.checkpoint.every_n_steps,
+        save_freq=renamed(cfg, "trainer.checkpoint.every_n_steps"),
         keep_last_k=t.checkpoint.keep_last_k,
         resume=resume,
         handle_preemption=handle_preemption,
@@ -103,6 +104,17 @@ def resume_choice(cfg: DictConfig) -> str | None:
             )
         return "auto"
     return None if cfg.trainer.resume is None else str(cfg.trainer.resume)
+
+
+def renamed(cfg: DictConfig, old: str) -> Any:
+    """The value of the key `old` was renamed to; `old` itself wins when set, with a one-line
+    deprecation (see `framework.config.RENAMED`)."""
+    value = OmegaConf.select(cfg, old)
+    if value is None:
+        return OmegaConf.select(cfg, RENAMED[old])
+    if dev.is_main_process():
+        print(f"{old} is deprecated: use {RENAMED[old]} (same meaning)", flush=True)
+    return value
 
 
 def checkpoint_dir(cfg: DictConfig, output_dir: str | Path) -> Path:

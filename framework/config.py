@@ -53,7 +53,8 @@ class CheckpointConfig:
     """When and where checkpoints are written."""
 
     enabled: bool = True
-    every_n_steps: int = 0  # optimizer steps between checkpoints; 0 = only when training ends
+    save_freq: int = 0  # optimizer steps between checkpoints; 0 = only when training ends
+    every_n_steps: int | None = None  # deprecated name of save_freq
     keep_last_k: int = 3  # complete checkpoints kept (older ones deleted); 0 keeps all
     dir: str | None = None  # default <output dir>/checkpoints; a stable path lets a re-submitted job find it
 
@@ -67,13 +68,15 @@ class TrainerConfig:
     steps_per_epoch: int | None = None  # cap optimizer steps per epoch
     batch_size: int = 64
     valid_batch_size: int | None = None  # default: batch_size
-    valid_every: int = 1  # validate every N epochs
+    valid_freq: int = 1  # validate every N epochs
+    valid_every: int | None = None  # deprecated name of valid_freq
     valid_at_start: bool = False  # also validate before the first step (the starting point of the curve)
     devices: int = 1  # worker processes on this machine (ignored when launched by torchrun/deepspeed/srun)
     accelerator: str = "auto"  # auto (CUDA when torch sees a GPU, unless DS_ACCELERATOR=cpu) | cpu | cuda
     tf32: bool = True  # TF32 matmuls / convolutions on Ampere and newer GPUs (fp32 runs)
     seed: int = 0
-    log_every: int = 10  # optimizer steps between logged lines / metrics.jsonl records
+    log_freq: int = 10  # optimizer steps between logged lines / metrics.jsonl records
+    log_every: int | None = None  # deprecated name of log_freq
     monitor: str = "val_loss"  # the value train.py returns (what sweepers optimise)
     verbose: bool = False  # show DeepSpeed's own logs and full tracebacks
     timeout_s: float = 300.0  # collective timeout: a dead rank fails the job instead of hanging it
@@ -104,6 +107,14 @@ class TrainConfig:
     dry_run: bool = False  # print the per-rank memory estimate and the DeepSpeed config, then exit
 
 
+# Old key -> the name it has now (the Python API's, Paddle's): still accepted, with one line.
+RENAMED = {
+    "trainer.valid_every": "trainer.valid_freq",
+    "trainer.log_every": "trainer.log_freq",
+    "trainer.checkpoint.every_n_steps": "trainer.checkpoint.save_freq",
+}
+
+
 def register_configs() -> None:
     """Register the schema so `train.yaml` can name it first in its defaults list."""
     cs = ConfigStore.instance()
@@ -121,10 +132,13 @@ MINIMUM: dict[str, int | float] = {
     "trainer.steps_per_epoch": 1,
     "trainer.batch_size": 1,
     "trainer.valid_batch_size": 1,
+    "trainer.valid_freq": 1,
     "trainer.valid_every": 1,
     "trainer.devices": 1,
+    "trainer.log_freq": 1,
     "trainer.log_every": 1,
     "trainer.timeout_s": 0.0,
+    "trainer.checkpoint.save_freq": 0,
     "trainer.checkpoint.every_n_steps": 0,
     "trainer.checkpoint.keep_last_k": 0,
     "data.num_workers": 0,

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from framework.ds_config import chosen_sizes
+from framework.plan import mesh_of
 from framework.strategy import Strategy
 
 
@@ -69,7 +70,7 @@ def model_state_bytes(
     optimizer_bytes_per_param: int = 8,
 ) -> dict[str, int]:
     """Estimated bytes of parameters, gradients and optimizer states on each rank (see module doc)."""
-    n = max(1, world_size // strategy.pipeline.stages)
+    n = mesh_of(strategy, world_size).dp_size
     psi = num_params if not strategy.uses_pipeline else num_params // strategy.pipeline.stages
     amp = strategy.amp.enable
     p = 2 if amp else 4

@@ -145,7 +145,9 @@ class Prefetcher:
         self._source, self._snapshot = source, snapshot
         self._transfer = getattr(transfer, "copy", transfer)
         self._ready = getattr(transfer, "ready", None)
-        self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self._queue: queue.Queue = queue.Queue()
+        # At most `depth` batches pulled and not yet handed out (the one being pulled included).
+        self._slots = threading.Semaphore(max(1, depth))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if depth > 0:
@@ -159,23 +161,17 @@ class Prefetcher:
     def _fill(self) -> None:
         try:
             while not self._stop.is_set():
+                if not self._slots.acquire(timeout=0.1):
+                    continue
                 try:
                     item: Any = self._pull()
                 except StopIteration:
                     item = _END
-                self._put(item)
+                self._queue.put(item)
                 if item is _END:
                     return
         except BaseException as exc:  # re-raised in the consumer's thread
-            self._put(_Failure(exc))
-
-    def _put(self, item: Any) -> None:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                continue
+            self._queue.put(_Failure(exc))
 
     def __iter__(self) -> Prefetcher:
         return self
@@ -190,6 +186,7 @@ class Prefetcher:
                 raise StopIteration
             if isinstance(item, _Failure):
                 raise item.exc
+            self._slots.release()
         batch, snapshot = item
         return (self._ready(batch) if self._ready is not None else batch), snapshot
 
@@ -202,7 +199,8 @@ class Prefetcher:
 
 class BatchIterator:
     """The iterator a step consumes: counts each batch handed out and knows, one batch ahead,
-    whether any is left (`exhausted()`), so a step is never called on an empty epoch.
+    whether any is left (`exhausted()`), so a step is never called on an empty epoch. A batch
+    looked at ahead (`peek`, `peek_many`) counts only when it is handed out.
 
     `source` is a `Prefetcher` or any iterator of batches. `on_fetch(batch)` runs for every batch
     handed out; `limit` caps the batches of this epoch; `snapshot` is the Prefetcher's position
@@ -225,29 +223,36 @@ class BatchIterator:
 
     def exhausted(self) -> bool:
         """True when the next `next()` would raise StopIteration (pulls one batch ahead)."""
-        if self._ahead:
+        return not self._ahead and not self._pull_ahead()
+
+    def _pull_ahead(self) -> bool:
+        """Pull one more batch into the look-ahead; False at the end (or the limit)."""
+        if self._done or (self._limit is not None and self.fetched + len(self._ahead) >= self._limit):
             return False
-        if self._done or (self._limit is not None and self.fetched >= self._limit):
-            return True
         start = time.perf_counter()
         try:
             item = next(self._source)
             self._ahead.append(item if self._pairs else (item, None))
         except StopIteration:
-            self.waited += time.perf_counter() - start
             self._done = True
-            return True
         self.waited += time.perf_counter() - start
-        return False
+        return not self._done
 
     def peek(self) -> Any:
         """The next batch without taking it (None at the end)."""
         return None if self.exhausted() else self._ahead[0][0]
 
+    def peek_many(self, count: int) -> list[Any]:
+        """The next `count` batches (fewer at the end) without taking them: an optimizer step's
+        micro-batches, whose items are counted before its first backward pass."""
+        while len(self._ahead) < count and self._pull_ahead():
+            pass
+        return [batch for batch, _ in self._ahead[:count]]
+
     def __next__(self) -> Any:
         if self.exhausted():
             raise StopIteration
-        batch, self.snapshot = self._ahead.pop()
+        batch, self.snapshot = self._ahead.pop(0)
         self.fetched += 1
         if self._on_fetch is not None:
             self._on_fetch(batch)

@@ -9,7 +9,8 @@ import copy
 import math
 from typing import Any
 
-from framework.strategy import BatchLayout, Strategy
+from framework.plan import BatchLayout
+from framework.strategy import Strategy
 
 
 def auto_sizes(num_params: int, largest_param: int, largest_block: int = 0) -> dict[str, int]:

@@ -17,7 +17,6 @@ for training).
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -29,10 +28,12 @@ from framework import checkpoint, evaluation, fine_grained, loops, watchdog, wei
 from framework import cost as cost_lib
 from framework import data as data_lib
 from framework import device as dev
+from framework.arguments import check_dataset, check_engine_arguments
 from framework.callbacks import Callback, CallbackList
 from framework.ds_config import configures_optimizer
 from framework.errors import ConfigError
 from framework.fine_grained import check_mode
+from framework.fit_config import FitConfig, fit_config
 from framework.metrics import Metrics
 from framework.outputs import ModelLoss, is_model_loss
 from framework.runtime import Runtime
@@ -85,6 +86,7 @@ class Engine:
         label_key: str = "labels",
         output_key: str | None = None,
     ):
+        check_engine_arguments(model, loss, optimizer, metrics, scheduler)
         if runtime is None:
             runtime = Runtime(strategy if isinstance(strategy, Strategy) else Strategy(**(strategy or {})))
         self.runtime = runtime
@@ -110,7 +112,8 @@ class Engine:
         self.callbacks = CallbackList(callbacks or [])
         self.seed, self.prefetch = seed, prefetch
         self.state = LoopState()
-        self.total_steps: int | None = None  # for schedulers that want it; set by fit() / dataloader()
+        self.total_steps: int | None = None  # training's optimizer-step budget (fit / a train dataloader)
+        self._scheduled_for: int | None = None  # the budget the lr schedule was built with
         self.mode: str | None = None
         self._prepared: set[str] = set()
         self._padding = fine_grained.PaddingTracker()
@@ -144,12 +147,14 @@ class Engine:
 
     # ------------------------------------------------------------------ setup
     def prepare(
-        self, mode: str = "train", batch_size: int | None = None, inputs_spec: Any = None, labels_spec: Any = None
+        self, mode: str | None = None, batch_size: int | None = None, inputs_spec: Any = None,
+        labels_spec: Any = None,
     ) -> None:  # fmt: skip
-        """Build DeepSpeed for `mode` (once; again is a no-op). `batch_size` is global; for training
-        it fixes the batch layout. `inputs_spec` / `labels_spec` are accepted for Paddle
-        compatibility; shapes are taken from the data at run time."""
-        check_mode(mode)
+        """Build DeepSpeed for `mode` (once; again is a no-op). `mode` defaults to the engine's
+        current mode ("train" before any). `batch_size` is global; for training it fixes the
+        batch layout. `inputs_spec` / `labels_spec` are accepted for Paddle compatibility;
+        shapes are taken from the data at run time."""
+        mode = check_mode(mode or self.mode or "train")
         has_optimizer = self.optimizer_spec is not None or configures_optimizer(self.strategy)
         if mode == "train" and (self.loss is None and self.train_step_fn is None or not has_optimizer):
             raise ConfigError("set optimizer and loss before training (Engine(model, loss, optimizer, ...))")
@@ -160,23 +165,24 @@ class Engine:
         if mode == "train" and batch_size is not None:
             self.runtime.fix_layout(batch_size)
         if not self.runtime.ready:
-            optimizer = self.optimizer_spec if has_optimizer else None
-            scheduler = self._scheduler_factory() if has_optimizer else None
-            self.runtime.initialize(self.module, optimizer, scheduler, self.loss)
+            self.runtime.initialize(self.module, self.optimizer_spec if has_optimizer else None, self.loss)
             self.metrics.to(dev.device())
             if isinstance(getattr(self.loss, "fn", None), nn.Module):
                 self.loss.fn.to(dev.device())
+        if mode == "train" and self._scheduled_for is None:
+            self.schedule(self.total_steps)
         self._prepared.add(mode)
 
-    def _scheduler_factory(self) -> Callable[[Any], Any] | None:
-        spec = self.scheduler_spec
-        if spec is None:
-            return None
-        try:
-            wants_total = "total_steps" in inspect.signature(spec).parameters
-        except (TypeError, ValueError):
-            wants_total = False
-        return (lambda opt: spec(opt, total_steps=self.total_steps or 1)) if wants_total else spec
+    def schedule(self, total_steps: int | None) -> None:
+        """Give the learning-rate schedule training's optimizer-step budget: `fit` and a training
+        `dataloader` call it with their plan's; a schedule built earlier (a `load` before `fit`)
+        is rebuilt and continues at its step. Nothing happens without a scheduler."""
+        self.total_steps = total_steps if total_steps is not None else self.total_steps
+        if self.scheduler_spec is None or self.runtime.optimizer is None:
+            return
+        if self._scheduled_for != (self.total_steps or 1):
+            self._scheduled_for = self.total_steps or 1
+            self.runtime.schedule(self.scheduler_spec, self._scheduled_for)
 
     def transfer(self, batch: Any) -> Any:
         """Move a batch to this rank's device (floating tensors in the compute dtype)."""
@@ -203,25 +209,21 @@ class Engine:
 
     # ------------------------------------------------------------------ coarse-grained API
     def fit(
-        self, train_data: Any, valid_data: Any = None, epochs: int = 1, batch_size: int = 1,
-        steps_per_epoch: int | None = None, valid_freq: int = 1, log_freq: int = 10,
-        max_steps: int | None = None, valid_batch_size: int | None = None, shuffle: bool = True,
-        collate_fn: Callable | None = None, num_workers: int = 0, callbacks: Iterable[Callback] | None = None,
-        valid_at_start: bool = False, save_dir: str | None = None, save_freq: int = 0,
-        keep_last_k: int | None = 3, resume: str | None = None, handle_preemption: bool = False,
-        peak_tflops: float | None = None, timeout_s: float | None = None,
+        self, train_data: Any, valid_data: Any = None, *, config: FitConfig | None = None,
+        callbacks: Iterable[Callback] | None = None, **options: Any,
     ) -> dict[str, list[Any]]:  # fmt: skip
         """Train for `epochs` epochs (or until `max_steps` optimizer steps) and return the history:
         per-epoch lists of loss, lr, each metric and, when validating, val_loss and val_<metric>
-        (with `valid_at_start`, also start_val_loss, ... measured before the first step). The
-        arguments are `framework.loops.FitConfig`'s; `callbacks` join this call only."""
-        config = loops.FitConfig(
-            epochs, batch_size, steps_per_epoch, valid_freq, log_freq, max_steps, valid_batch_size, shuffle,
-            collate_fn, num_workers, valid_at_start, save_dir, save_freq, keep_last_k, resume, handle_preemption,
-            peak_tflops, timeout_s,
-        )  # fmt: skip
-        with watchdog.watching(timeout_s, dev.rank()):
-            return loops.fit(self, train_data, valid_data, config, callbacks or ())
+        (with `valid_at_start`, also start_val_loss, ... measured before the first step).
+
+        The options are keyword arguments named as `framework.fit_config.FitConfig`'s fields, which
+        hold their defaults (`fit(ds, epochs=3, batch_size=64)`), or a `config=FitConfig(...)`
+        they override; `callbacks` join this call only."""
+        cfg = fit_config(config, options)
+        check_dataset(train_data, "train_data")
+        check_dataset(valid_data, "valid_data", optional=True)
+        with watchdog.watching(cfg.timeout_s, dev.rank()):
+            return loops.fit(self, train_data, valid_data, cfg, callbacks or ())
 
     def evaluate(
         self, valid_data: Any, batch_size: int = 1, steps: int | None = None, collate_fn: Callable | None = None
@@ -241,16 +243,17 @@ class Engine:
     def dataloader(
         self, dataset: Any, batch_size: int = 1, shuffle: bool = False, drop_last: bool = False,
         collate_fn: Callable | None = None, num_workers: int = 0, epochs: int = 1,
-        steps_per_epoch: int | None = None, mode: str = "train",
+        steps_per_epoch: int | None = None, mode: str | None = None,
     ) -> data_lib.DeviceLoader:  # fmt: skip
         """This rank's share of `dataset` in global batches of `batch_size`, on the device, for
-        `epochs` epochs; prepares `mode` if it is not prepared yet. Each epoch starts this mode's
-        metrics afresh.
+        `epochs` epochs; prepares `mode` (default: the engine's current mode, "train" before any)
+        if it is not prepared yet. Each epoch starts this mode's metrics afresh.
 
         Train batches hold batch_size / data-parallel ranks samples (`run` splits them into the
         accumulation steps); every train batch is full, whatever `drop_last` says (DeepSpeed
         steps a fixed micro-batch). Eval/predict shards cover each sample once, also the last
         incomplete batch (`run` ignores the padding that evens them out)."""
+        mode = check_mode(mode or self.mode or "train")
         loader = fine_grained.dataloader(
             self, dataset, batch_size, mode, shuffle, collate_fn, num_workers, epochs, steps_per_epoch
         )
@@ -258,12 +261,12 @@ class Engine:
 
     def dataloader_from_generator(
         self, generator: Any, batch_size: int = 1, epochs: int = 1, steps_per_epoch: int | None = None,
-        collate_fn: Callable | None = None, mode: str = "train",
+        collate_fn: Callable | None = None, mode: str | None = None,
     ) -> data_lib.DeviceLoader:  # fmt: skip
         """Legacy path for a Python generator of samples (a callable returning an iterator, or a
         re-iterable): samples are dealt round-robin to ranks and collated into global batches."""
         return fine_grained.generator_loader(
-            self, generator, batch_size, mode, epochs, steps_per_epoch, collate_fn
+            self, generator, batch_size, mode or self.mode or "train", epochs, steps_per_epoch, collate_fn
         )
 
     def run(

@@ -7,7 +7,9 @@ padded to equal length and the padding never reaches a loss, a metric or an outp
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -46,7 +48,9 @@ class Host(Protocol):
     eval_step_fn: Callable[..., Any] | None
     predict_step_fn: Callable[..., Any] | None
 
-    def prepare(self, mode: str = "train", batch_size: int | None = None) -> None: ...
+    def prepare(self, mode: str | None = None, batch_size: int | None = None) -> None: ...
+
+    def schedule(self, total_steps: int | None) -> None: ...
 
     def dataloader(
         self,
@@ -64,7 +68,27 @@ class Host(Protocol):
     def save(self, path: str, training: bool = True) -> str: ...
 
 
-@torch.no_grad()
+@contextlib.contextmanager
+def eval_mode(runtime: Runtime) -> Iterator[None]:
+    """The model in evaluation mode for the block, put back as it was however the block ends."""
+    was_training = runtime.training
+    runtime.train(False)
+    try:
+        yield
+    finally:
+        runtime.train(was_training)
+
+
+def _in_eval_mode(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(host: Host, *args: Any, **kwargs: Any) -> Any:
+        with torch.no_grad(), eval_mode(host.runtime):
+            return fn(host, *args, **kwargs)
+
+    return wrapper
+
+
+@_in_eval_mode
 def evaluate(
     host: Host, data: Any, batch_size: int, steps: int | None, collate_fn: Callable | None
 ) -> dict[str, Any]:
@@ -72,8 +96,6 @@ def evaluate(
     runtime = host.runtime
     if runtime.strategy.uses_pipeline:
         return _evaluate_pipeline(host, data, batch_size, steps, collate_fn)
-    was_training = runtime.training
-    runtime.train(False)
     loader = host.dataloader(
         data, batch_size=batch_size, collate_fn=collate_fn, steps_per_epoch=steps, mode="eval"
     )
@@ -102,7 +124,6 @@ def evaluate(
     result = {"loss": sum(s for s, _ in totals) / total_count} if total_count else {}
     result.update(host.metrics.eval.compute())
     host.metrics.eval.reset()
-    runtime.train(was_training)
     return result
 
 
@@ -122,14 +143,12 @@ def _evaluate_pipeline(
     )
     calls = len(loader) // layout.accumulation_steps
     calls = calls if steps is None else min(calls, steps)
-    was_training = runtime.training
     source = data_lib.Prefetcher(iter(loader), runtime.copier, depth=host.prefetch)
     try:
         batches = data_lib.BatchIterator(source)
         losses = [runtime.eval_batch(batches) for _ in range(calls)]
     finally:
         source.close()
-    runtime.train(was_training)
     return {"loss": dev.all_reduce_mean(float(torch.stack(losses).float().mean()))} if losses else {}
 
 
@@ -137,7 +156,7 @@ def _unpadded(loader: Any, batch: Any) -> int:
     return loader.last_unpadded if loader.last_unpadded is not None else batch_size_of(batch)
 
 
-@torch.no_grad()
+@_in_eval_mode
 def predict(
     host: Host, data: Any, batch_size: int, steps: int | None, collate_fn: Callable | None
 ) -> list[Any]:
@@ -149,8 +168,6 @@ def predict(
             "predict() is not available with pipeline parallelism (outputs exist on the last stage only); "
             "save the weights and predict without a pipeline"
         )
-    was_training = runtime.training
-    runtime.train(False)
     loader = host.dataloader(
         data, batch_size=batch_size, collate_fn=collate_fn, steps_per_epoch=steps, mode="predict"
     )
@@ -168,7 +185,6 @@ def predict(
         unpadded = int(sum(pulled))  # an evaluation shard pads only its last batches: real samples first
         if outputs is not None and unpadded:
             mine.append(map_tensors(lambda t: t.detach().cpu(), take(outputs, unpadded)))
-    runtime.train(was_training)
     return _in_dataset_order(mine, batch_size)
 
 

@@ -14,8 +14,10 @@ import torch
 from framework import data as data_lib
 from framework import fetches
 from framework.errors import ConfigError
-from framework.evaluation import Host, detached
+from framework.evaluation import Host, detached, eval_mode
+from framework.items import step_weights
 from framework.outputs import batch_size_of, take
+from framework.plan import eval_split
 from framework.steps import (
     apply_train_result,
     bind_step,
@@ -85,12 +87,11 @@ def dataloader(
             collate_fn,
             num_workers,
         )
-        if host.total_steps is None:
-            host.total_steps = epochs * (steps_per_epoch or len(loader))
         host.prepare(mode, batch_size)
+        host.schedule(epochs * min(len(loader), steps_per_epoch or len(loader)))  # one step per batch
         unpadded = None
     else:
-        per_rank = runtime.eval_batch_per_rank(batch_size)
+        per_rank = eval_split(runtime.mesh, batch_size)
         host.prepare(mode)
         loader = data_lib.eval_loader(
             dataset, per_rank, runtime.dp_size, runtime.dp_rank, collate_fn, num_workers
@@ -125,7 +126,7 @@ def generator_loader(
         layout = runtime.fix_layout(batch_size)
         per_rank = layout.micro_batch_size * layout.accumulation_steps
     else:
-        per_rank = runtime.eval_batch_per_rank(batch_size)
+        per_rank = eval_split(runtime.mesh, batch_size)
     source = data_lib.GeneratorDataset(generator, runtime.dp_size, runtime.dp_rank)
     loader = torch.utils.data.DataLoader(source, batch_size=per_rank, drop_last=True, collate_fn=collate_fn)
     host.prepare(mode, batch_size if mode == "train" else None)
@@ -174,17 +175,22 @@ def run_one(host: Host, batch: Any, mode: str, unpadded: int) -> dict[str, Any]:
         runtime.train()
         assert runtime.layout is not None
         call = bind_step(host.train_step_fn) if host.train_step_fn is not None else None
+        micros = data_lib.split_micro_batches(batch, runtime.layout.accumulation_steps)
+        weights = None
+        if call is None:  # the framework's step: the loss over the whole global batch's items
+            weights = step_weights(micros, host.loss, host.module, host.label_key, runtime.dp_size)
         losses = []
-        for micro in data_lib.split_micro_batches(batch, runtime.layout.accumulation_steps):
-            result: Any = default_train_step(host, micro) if call is None else call(host, iter([micro]))
+        for i, micro in enumerate(micros):
+            weight = weights[i] if weights is not None else None
+            result: Any = (
+                default_train_step(host, micro, weight) if call is None else call(host, iter([micro]))
+            )
             value = apply_train_result(host, result)
             if value is not None:
                 losses.append(detached(value))
         loss = float(sum(losses) / len(losses)) if losses else None
         return {"loss": loss, **host.metrics.train.compute()}
-    with torch.no_grad():
-        was_training = runtime.training
-        runtime.train(False)
+    with torch.no_grad(), eval_mode(runtime):
         if mode == "eval":
             _, batch_loss = default_eval_step(host, batch, unpadded)
             logs: dict[str, Any] = {"loss": None if batch_loss is None else float(batch_loss)}
@@ -193,5 +199,4 @@ def run_one(host: Host, batch: Any, mode: str, unpadded: int) -> dict[str, Any]:
             logs = {"outputs": take(bind_step(host.predict_step_fn)(host, iter([batch])), unpadded)}
         else:
             logs = {"outputs": take(default_predict_step(host, batch), unpadded)}
-        runtime.train(was_training)
     return logs

@@ -12,7 +12,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 from framework import checkpoint, watchdog
@@ -22,7 +22,10 @@ from framework.callbacks import Callback, CallbackList, Control, Event
 from framework.cost import param_counts
 from framework.errors import NonFiniteLoss
 from framework.evaluation import Host, evaluate
+from framework.fit_config import FitConfig
+from framework.items import step_weights
 from framework.outputs import batch_size_of
+from framework.plan import Budget, RunPlan, step_budget
 from framework.state import LoopState
 from framework.steps import apply_train_result, bind_step, default_train_step
 from framework.throughput import Speedometer
@@ -31,39 +34,21 @@ from framework.throughput import Speedometer
 MAX_IDLE_CALLS = 10_000
 
 
-@dataclass
-class FitConfig:
-    """How `fit` trains: `Engine.fit`'s keyword arguments (the CLI fills them from `trainer.*`).
-
-    `batch_size` is global; `steps_per_epoch` caps optimizer steps per epoch; `log_freq` is in
-    optimizer steps; with `save_dir`, a checkpoint every `save_freq` optimizer steps (0: only at
-    the end), the newest `keep_last_k` kept; `resume` ("auto" or a path) continues one;
-    `handle_preemption` saves and stops at the next step boundary after SIGTERM; with `timeout_s`,
-    a rank that makes no progress for that long says so, with its threads' stacks, and exits 1
-    (instead of waiting in a collective for torch's 30-minute default)."""
-
-    epochs: int = 1
-    batch_size: int = 1
-    steps_per_epoch: int | None = None
-    valid_freq: int = 1
-    log_freq: int = 10
-    max_steps: int | None = None
-    valid_batch_size: int | None = None
-    shuffle: bool = True
-    collate_fn: Callable | None = None
-    num_workers: int = 0
-    valid_at_start: bool = False
-    save_dir: str | None = None
-    save_freq: int = 0
-    keep_last_k: int | None = 3
-    resume: str | None = None
-    handle_preemption: bool = False
-    peak_tflops: float | None = None  # the device's peak for MFU (default: table / measured)
-    timeout_s: float | None = None  # a rank without progress this long ends the job (watchdog)
-
-    def as_kwargs(self) -> dict[str, Any]:
-        """The fields as keyword arguments (shallow: collate_fn stays the same object)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+def plan_fit(host: Host, train_data: Any, cfg: FitConfig) -> tuple[RunPlan, Any]:
+    """The run's plan (every number, before DeepSpeed is built) and this rank's loader."""
+    runtime = host.runtime
+    runtime.start()
+    layout = runtime.fix_layout(cfg.batch_size)
+    loader = data_lib.train_loader(
+        train_data, layout.micro_batch_size, runtime.dp_size, runtime.dp_rank, cfg.shuffle, host.seed,
+        collate_fn=cfg.collate_fn, num_workers=cfg.num_workers,
+    )  # fmt: skip
+    budget = step_budget(layout, len(loader), cfg.epochs, cfg.steps_per_epoch, cfg.max_steps)
+    resume_from = checkpoint.resolve(cfg.resume, cfg.save_dir) if cfg.resume else None
+    universal = resume_from is not None and checkpoint.needs_universal(resume_from, runtime.dp_size)
+    dtype = str(runtime.compute_dtype).removeprefix("torch.")
+    plan = RunPlan(runtime.mesh, layout, budget, dtype, str(resume_from) if resume_from else None, universal)
+    return plan, loader
 
 
 # ---------------------------------------------------------------------------------------- fit
@@ -74,34 +59,24 @@ def fit(
 ) -> Any:
     """Train for `cfg.epochs` epochs or `cfg.max_steps` optimizer steps; return per-epoch history."""
     runtime, st = host.runtime, host.state
-    runtime.start()
-    layout = runtime.fix_layout(cfg.batch_size)
-    loader = data_lib.train_loader(
-        train_data, layout.micro_batch_size, runtime.dp_size, runtime.dp_rank, cfg.shuffle, host.seed,
-        collate_fn=cfg.collate_fn, num_workers=cfg.num_workers,
-    )  # fmt: skip
-    batches_per_epoch = len(loader)
-    if cfg.steps_per_epoch is not None:
-        batches_per_epoch = min(batches_per_epoch, cfg.steps_per_epoch * layout.accumulation_steps)
-    total = cfg.epochs * max(1, batches_per_epoch // layout.accumulation_steps)
-    host.total_steps = min(total, cfg.max_steps) if cfg.max_steps else total
-    resume_from = checkpoint.resolve(cfg.resume, cfg.save_dir) if cfg.resume else None
-    if resume_from is not None and not runtime.ready:
-        runtime.load_universal = checkpoint.needs_universal(resume_from, runtime.dp_size)
+    plan, loader = plan_fit(host, train_data, cfg)  # every number first, then the parts
+    if not runtime.ready:
+        runtime.load_universal = plan.load_universal
     host.prepare("train", cfg.batch_size)
-    _start_run(host, cfg, batches_per_epoch)
+    host.schedule(plan.budget.total_steps)
+    _start_run(host, cfg, plan)
     speed = Speedometer(runtime, cfg.batch_size, cfg.peak_tflops)
     parts = checkpoint.Stateful(runtime, st, host.metrics)
-    if resume_from is not None:
-        checkpoint.load(parts, resume_from)
-        st.info.resumed_from = str(resume_from)
-    events = _fit_callbacks(host, cfg, parts, callbacks, resumed=resume_from is not None)
+    if plan.resume_from is not None:
+        checkpoint.load(parts, Path(plan.resume_from))
+        st.info.resumed_from = plan.resume_from
+    events = _fit_callbacks(host, cfg, parts, callbacks, resumed=plan.resume_from is not None)
     start = time.perf_counter()
     events.fire(Event.FIT_START, st)
     if valid_data is not None and cfg.valid_at_start and st.global_step == 0:
         _validate(host, events, valid_data, cfg, history_prefix="start_")
     try:
-        _epochs(host, events, loader, valid_data, cfg, batches_per_epoch, start, speed)
+        _epochs(host, events, loader, valid_data, cfg, plan.budget, start, speed)
     except NonFiniteLoss as exc:  # checkpoints whose weights give this NaN must not be resumed
         if exc.step is not None:
             checkpoint.mark_bad(
@@ -126,7 +101,7 @@ def _epochs(
     loader: Any,
     valid_data: Any,
     cfg: FitConfig,
-    batches_per_epoch: int,
+    budget: Budget,
     start: float,
     speed: Speedometer,
 ) -> None:
@@ -139,7 +114,7 @@ def _epochs(
         loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
         if resuming:
             _restore_position(loader, st)
-        logs = train_epoch(host, events, loader, batches_per_epoch, cfg.log_freq, resuming, speed)
+        logs = train_epoch(host, events, loader, budget, cfg.log_freq, resuming, speed)
         preempted = st.stop_reason.startswith("preempted")  # leave at once: the job is being stopped
         if valid_data is not None and (epoch + 1) % cfg.valid_freq == 0 and not preempted:
             logs.update(_validate(host, events, valid_data, cfg, logs=logs))
@@ -151,10 +126,15 @@ def _epochs(
             break
 
 
-def _start_run(host: Host, cfg: FitConfig, batches_per_epoch: int) -> None:
+def _start_run(host: Host, cfg: FitConfig, plan: RunPlan) -> None:
     runtime, st = host.runtime, host.state
     st.epochs, st.max_steps, st.global_batch_size = cfg.epochs, cfg.max_steps, cfg.batch_size
-    st.batches_per_epoch, st.history, st.stop_training, st.stop_reason = batches_per_epoch, {}, False, ""
+    st.batches_per_epoch, st.history, st.stop_training, st.stop_reason = (
+        plan.budget.batches_per_epoch,
+        {},
+        False,
+        "",
+    )
     assert runtime.module is not None
     st.info.model_name = type(runtime.module).__name__
     st.info.parameters = param_counts(runtime.module)[0]
@@ -227,13 +207,15 @@ def train_epoch(
     host: Host,
     events: CallbackList,
     loader: Any,
-    batches_per_epoch: int,
+    budget: Budget,
     log_freq: int,
     resuming: bool = False,
     speed: Speedometer | None = None,
 ) -> dict[str, Any]:
     """One epoch: call the step while batches are left (a step is never called on an empty epoch)
-    or training stops. `resuming` continues an epoch a checkpoint interrupted."""
+    and the epoch's optimizer steps are not all taken, or until training stops. `resuming`
+    continues an epoch a checkpoint interrupted. A step cut short by the end of the data
+    (StopIteration) counts the optimizer steps it took and drops the gradients it left open."""
     st, runtime = host.state, host.runtime
     runtime.train()
     if not resuming:
@@ -248,17 +230,16 @@ def train_epoch(
         st.loader_state = batches.snapshot
 
     source = data_lib.Prefetcher(iter(loader), runtime.copier, host.prefetch, snapshot=loader.state_dict)
-    batches = data_lib.BatchIterator(source, on_fetch, limit=batches_per_epoch - st.batches_in_epoch)
+    limit = _batch_limit(host, len(loader), budget)
+    batches = data_lib.BatchIterator(source, on_fetch, limit=limit - st.batches_in_epoch)
     step = _train_step_caller(host, batches)
     # A middle pipeline stage pulls no data, so every rank counts train_batch calls instead.
-    pipeline_calls = (
-        batches_per_epoch // runtime.strategy.accumulation_steps if runtime.strategy.uses_pipeline else None
-    )
+    pipeline_calls = budget.steps_per_epoch if runtime.strategy.uses_pipeline else None
     pending: list[Any] = []  # losses of the optimizer step in progress (dropped if fp16 skips it)
     idle_calls = 0
     try:
         while not st.stop_training:
-            if _epoch_over(st, batches, pipeline_calls):
+            if _epoch_over(st, batches, pipeline_calls, budget.steps_per_epoch):
                 break
             fetched, boundaries, skipped = batches.fetched, runtime.global_steps, runtime.skipped_steps
             if speed is not None and not speed.measured and batches.peek() is not None:
@@ -268,6 +249,7 @@ def train_epoch(
                 with speed.counting() if speed is not None else contextlib.nullcontext():
                     loss = apply_train_result(host, _timed(step, batches, speed))
             except StopIteration:
+                _cut_short(host, events, pending, boundaries, skipped, log_freq, speed)
                 break
             st.step_calls += 1
             if loss is not None:
@@ -280,6 +262,18 @@ def train_epoch(
     finally:
         source.close()
     return _epoch_logs(host, pending)
+
+
+def _cut_short(
+    host: Host, events: CallbackList, pending: list[Any], boundaries: int, skipped: int, log_freq: int,
+    speed: Speedometer | None,
+) -> None:  # fmt: skip
+    """A step the end of the data cut short (StopIteration): the optimizer steps it took count,
+    the gradients of backward passes no step closed are dropped (the next epoch starts clean)."""
+    host.runtime.discard_open_step()
+    _after_step(host, pending, boundaries, skipped, log_freq, speed)
+    if host.runtime.global_steps > boundaries:
+        events.fire(Event.STEP_END, host.state)
 
 
 def _epoch_logs(host: Host, pending: list[Any]) -> dict[str, Any]:
@@ -295,11 +289,25 @@ def _epoch_logs(host: Host, pending: list[Any]) -> dict[str, Any]:
     return logs
 
 
-def _epoch_over(st: LoopState, batches: data_lib.BatchIterator, pipeline_calls: int | None) -> bool:
-    """True when this epoch has no step left: max_steps reached, or no batch left (a pipeline:
-    its calls done, since a middle stage pulls no data)."""
+def _batch_limit(host: Host, loader_batches: int, budget: Budget) -> int:
+    """Micro-batches this epoch may hand out: the budget's for the framework's steps; for a
+    custom step, which may pull any number per optimizer step, whole accumulations of the
+    loader (the epoch's optimizer steps are capped by `_epoch_over`)."""
+    if host.train_step_fn is None or host.runtime.strategy.uses_pipeline:
+        return budget.batches_per_epoch
+    acc = host.runtime.strategy.accumulation_steps
+    return loader_batches // acc * acc
+
+
+def _epoch_over(
+    st: LoopState, batches: data_lib.BatchIterator, pipeline_calls: int | None, steps_per_epoch: int
+) -> bool:
+    """True when this epoch has no step left: max_steps reached, its optimizer steps taken, or
+    no batch left (a pipeline: its calls done, since a middle stage pulls no data)."""
     if st.max_steps is not None and st.global_step >= st.max_steps:
         st.stop_training, st.stop_reason = True, f"reached trainer.max_steps={st.max_steps}"
+        return True
+    if st.steps_in_epoch >= steps_per_epoch:
         return True
     if pipeline_calls is not None:
         return st.step_calls >= pipeline_calls
@@ -333,6 +341,7 @@ def _after_step(
     if runtime.global_steps > boundaries:
         st.skipped_steps = runtime.skipped_steps
         st.global_step = runtime.global_steps - runtime.skipped_steps
+        st.steps_in_epoch += st.global_step - applied_before
         if runtime.skipped_steps == skipped:
             for loss in pending:
                 st.window_loss.add(loss, st.global_step)
@@ -367,4 +376,15 @@ def _train_step_caller(host: Host, batches: data_lib.BatchIterator) -> Callable[
     if host.train_step_fn is not None:
         call = bind_step(host.train_step_fn)
         return lambda: call(host, batches)
-    return lambda: default_train_step(host, next(batches))
+    acc = host.runtime.strategy.accumulation_steps
+    weights: list[Any] = []
+
+    def default_step() -> Any:
+        if not weights:  # an optimizer step begins: count the items of its global batch
+            group = batches.peek_many(acc)
+            found = step_weights(group, host.loss, host.module, host.label_key, host.runtime.dp_size)
+            weights.extend(found or [None] * len(group))
+        batch = next(batches)
+        return default_train_step(host, batch, weights.pop(0))
+
+    return default_step

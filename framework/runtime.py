@@ -11,6 +11,7 @@ names a global batch; evaluation and prediction only split their batch over data
 from __future__ import annotations
 
 import contextlib
+import inspect
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -27,13 +28,9 @@ from framework.cost import largest_block, param_counts
 from framework.ds_config import deepspeed_config, zero_init_config
 from framework.errors import ConfigError
 from framework.placement import for_this_machine, offload_optimizer
-from framework.strategy import BatchLayout, Strategy, batch_layout, compute_dtype_name
+from framework.plan import BatchLayout, Mesh, batch_layout, mesh_of, scheduler_for
+from framework.strategy import Strategy, compute_dtype_name
 from framework.transfer import Copier
-
-
-def check_layout(strategy: Strategy, global_batch_size: int, world_size: int) -> BatchLayout:
-    """The training layout a job of `world_size` processes will fix (checked before it starts)."""
-    return batch_layout(strategy, global_batch_size, world_size)
 
 
 class Runtime:
@@ -53,6 +50,7 @@ class Runtime:
         self.grad_norm_wanted = False  # ZeRO-0: compute the norm at the next step (costs a few %)
         self._last_grad_norm: torch.Tensor | None = None
         self._copier: Copier | None = None
+        self._open_backward = False  # `backward` ran since the last `step`
         self.timer: Any = None  # a throughput.PhaseTimer while a fit measures its steps
 
     # ------------------------------------------------------------------ topology
@@ -68,14 +66,19 @@ class Runtime:
         return dev.world_size()
 
     @property
+    def mesh(self) -> Mesh:
+        """The job's ranks under this strategy (`framework.plan.mesh_of`)."""
+        return mesh_of(self.strategy, self.world_size, dev.rank())
+
+    @property
     def dp_size(self) -> int:
         """Data-parallel degree: processes / pipeline stages."""
-        return max(1, self.world_size // self.strategy.pipeline.stages)
+        return self.mesh.dp_size
 
     @property
     def dp_rank(self) -> int:
         """This rank's index among the data-parallel replicas."""
-        return dev.rank() % self.dp_size
+        return self.mesh.dp_rank
 
     # ------------------------------------------------------------------ the batch layout
     def fix_layout(self, global_batch_size: int) -> BatchLayout:
@@ -87,24 +90,13 @@ class Runtime:
                     f"first training call), not {global_batch_size}: keep the batch size, or use a new Engine"
                 )
             return self.layout
-        self.layout, self._provisional = (
-            batch_layout(self.strategy, global_batch_size, self.world_size),
-            False,
-        )
+        self.layout = batch_layout(self.strategy, global_batch_size, self.world_size)
+        self._provisional = False
         return self.layout
 
     layout_fixed = property(
         lambda self: self.layout is not None and not self._provisional, doc="A training call fixed it."
     )
-
-    def eval_batch_per_rank(self, global_batch_size: int) -> int:
-        """This rank's share of an evaluation / prediction batch (no accumulation there)."""
-        if global_batch_size < 1 or global_batch_size % self.dp_size:
-            raise ConfigError(
-                f"batch size {global_batch_size} does not divide over {self.dp_size} data-parallel ranks; "
-                f"use a multiple of {self.dp_size}"
-            )
-        return global_batch_size // self.dp_size
 
     def pipeline_eval_layout(self, global_batch_size: int) -> BatchLayout:
         """How a pipeline splits an evaluation batch: into the same number of micro-batches as
@@ -142,13 +134,11 @@ class Runtime:
         return deepspeed_config(self.strategy, self.layout_for_init(), *sizes)
 
     def initialize(
-        self,
-        module: nn.Module,
-        optimizer: Any = None,
-        scheduler: Callable[[Any], Any] | None = None,
-        loss_fn: Callable[..., torch.Tensor] | None = None,
+        self, module: nn.Module, optimizer: Any = None, loss_fn: Callable[..., torch.Tensor] | None = None
     ) -> None:
-        """Hand the model (and optimizer, scheduler) to `deepspeed.initialize`, once."""
+        """Hand the model (and optimizer) to `deepspeed.initialize`, once. The learning-rate
+        schedule comes with training's step budget (`schedule`), not here: a build for
+        evaluation or loading must not freeze it."""
         import deepspeed
 
         self.start()
@@ -179,7 +169,6 @@ class Runtime:
                 model=model,
                 optimizer=optimizer,
                 model_parameters=trainable if optimizer is None or callable(optimizer) else None,
-                lr_scheduler=scheduler,
                 config=self.config,
             )
         if self._is_zero3():
@@ -193,6 +182,18 @@ class Runtime:
             module.register_forward_pre_hook(
                 lambda _m, args, kwargs: self.transfer((args, kwargs)), with_kwargs=True
             )
+
+    def schedule(self, factory: Callable[..., Any], total_steps: int) -> None:
+        """(Re)build the learning-rate schedule over `total_steps` optimizer steps on DeepSpeed's
+        optimizer (DeepSpeed steps it and saves it in checkpoints). A schedule built before the
+        budget was known (a `load` of a checkpoint before `fit`) is continued at its step."""
+        ds = self.deepspeed_engine
+        old = ds.lr_scheduler
+        new = scheduler_for(factory, total_steps)(ds.basic_optimizer)
+        if old is not None and old is not new and getattr(old, "last_epoch", 0) > 0:
+            new.last_epoch = old.last_epoch - 1
+            new.step()  # the lr of the step the old schedule reached, under the new budget
+        ds.lr_scheduler = new
 
     @property
     def copier(self) -> Copier:
@@ -244,6 +245,7 @@ class Runtime:
         non-boundary micro-step, the loss used as given."""
         self.deepspeed_engine.set_gradient_accumulation_boundary(False)
         self.deepspeed_engine.backward(loss, scale_wrt_gas=False)
+        self._open_backward = True
 
     def step(self) -> None:
         """Optimizer step after one or more `backward` calls. Closing an off-boundary accumulation
@@ -260,6 +262,17 @@ class Runtime:
             ds.backward(zero, scale_wrt_gas=False)
         self._note_grad_norm()
         ds.step()
+        self._open_backward = False
+
+    def discard_open_step(self) -> None:
+        """Drop the gradients of `backward` calls no `step` closed (a manual step cut short by
+        the end of an epoch), so the next optimizer step starts from none."""
+        if self._open_backward:
+            self.optimizer.zero_grad(set_to_none=True)  # ZeRO-3 also restarts its accumulation
+            assert self.module is not None
+            for p in self.module.parameters():
+                p.grad = None
+            self._open_backward = False
 
     def _note_grad_norm(self) -> None:
         if not self.grad_norm_wanted or self.deepspeed_engine.zero_optimization_stage() != 0:
@@ -352,8 +365,6 @@ class Runtime:
     def load_optimizer_state_dict(self, state: dict[str, Any]) -> None:
         """Load what `optimizer_state_dict` gave on this rank. DeepSpeed's ZeRO / bf16 optimizers take
         one state dict per data-parallel rank; the fp32 master is rebuilt from the module weights."""
-        import inspect
-
         optimizer = self.optimizer
         params = list(inspect.signature(optimizer.load_state_dict).parameters)
         if params and params[0] == "state_dict_list":
@@ -371,16 +382,8 @@ class Runtime:
         pipe = self.deepspeed_engine.module if self.strategy.uses_pipeline and self.ready else None
         master = self.optimizer is not None
         return weights.consolidate(
-            self.module, self._is_zero3(), pipe, on_every_rank, master, self._fp32_masters()
+            self.module, self._is_zero3(), pipe, on_every_rank, master, weights.fp32_masters(self.optimizer)
         )
-
-    def _fp32_masters(self) -> dict[int, torch.Tensor]:
-        """{id(param): its fp32 master} from DeepSpeed's mixed-precision optimizer at ZeRO-0 (its
-        `fp16_groups` / `fp32_groups`, kept side by side; empty for other optimizers)."""
-        low, high = getattr(self.optimizer, "fp16_groups", None), getattr(self.optimizer, "fp32_groups", None)
-        if not low or not high:
-            return {}
-        return {id(p): m for lows, highs in zip(low, high) for p, m in zip(lows, highs) if p.shape == m.shape}
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load complete weights into the module (every rank passes the same dict; under ZeRO-3

@@ -83,6 +83,7 @@ _SAVED = (
     "epoch",
     "global_step",
     "step_calls",
+    "steps_in_epoch",
     "batches_in_epoch",
     "batches_fetched",
     "samples_seen",
@@ -100,6 +101,7 @@ class LoopState:
     global_step: int = 0  # optimizer steps taken
     max_steps: int | None = None
     step_calls: int = 0  # calls of the step function in this epoch
+    steps_in_epoch: int = 0  # optimizer steps taken in this epoch
     batches_in_epoch: int = 0  # batches fetched from the loader in this epoch
     batches_per_epoch: int | None = None  # known length of an epoch in batches
     batches_fetched: int = 0  # batches fetched over the whole run
@@ -146,7 +148,7 @@ class LoopState:
 
     def start_epoch(self) -> None:
         """Zero the per-epoch counters."""
-        self.batches_in_epoch = self.step_calls = 0
+        self.batches_in_epoch = self.step_calls = self.steps_in_epoch = 0
         self.epoch_loss.reset()
         self.window_loss.reset()
 

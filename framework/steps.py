@@ -140,15 +140,16 @@ def forward_loss(engine: Any, batch: Any) -> tuple[Any, Any, torch.Tensor | None
     return outputs, labels, model_loss(outputs) if own else engine.loss(outputs, labels)
 
 
-def default_train_step(engine: Any, batch: Any) -> torch.Tensor:
-    """The loss of one batch, updating the training metrics."""
+def default_train_step(engine: Any, batch: Any, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """The loss of one batch, updating the training metrics; times `weight`, the batch's share
+    of its optimizer step's items (`framework.items`), when the loss averages over items."""
     outputs, labels, loss = forward_loss(engine, batch)
     if loss is None:
         raise ConfigError(
             "the training batches carry no labels (the last element of a tuple, or data.label_key)"
         )
     update_metrics(engine, engine.metrics.train, outputs, labels)
-    return loss
+    return loss if weight is None else loss.float() * weight.to(loss.device)
 
 
 def default_eval_step(engine: Any, batch: Any, unpadded: int) -> tuple[Any, torch.Tensor | None]:

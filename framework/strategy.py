@@ -236,45 +236,6 @@ def _section_from_dict(name: str, cls: type, data: dict[str, Any]) -> Any:
     return cls(**data)
 
 
-@dataclass(frozen=True)
-class BatchLayout:
-    """How one global batch splits: global = micro x accumulation x data-parallel ranks."""
-
-    global_batch_size: int
-    micro_batch_size: int
-    accumulation_steps: int
-    data_parallel_size: int
-
-
-def batch_layout(strategy: Strategy, global_batch_size: int, world_size: int) -> BatchLayout:
-    """Split a global training batch over ranks and accumulation steps, or say in words why it
-    cannot. The one place the split is computed (`framework.runtime` owns the result)."""
-    stages = strategy.pipeline.stages
-    if world_size % stages != 0:
-        raise ConfigError(
-            f"strategy.pipeline.stages={stages} does not divide the {world_size} processes; "
-            f"use a process count that is a multiple of {stages} (e.g. trainer.devices={stages})"
-        )
-    dp = world_size // stages
-    acc = strategy.accumulation_steps
-    per = dp * acc
-    if global_batch_size < 1 or global_batch_size % per != 0:
-        lower = max(per, global_batch_size // per * per)
-        raise ConfigError(
-            f"global batch size {global_batch_size} does not divide over {dp} data-parallel rank(s) x "
-            f"{acc} accumulation step(s) (= {per}); use a multiple of {per}, e.g. {lower} or {lower + per}"
-        )
-    micro = global_batch_size // per
-    fixed = strategy.pipeline.micro_batch_size
-    if strategy.uses_pipeline and fixed is not None and fixed != micro:
-        raise ConfigError(
-            f"strategy.pipeline.micro_batch_size={fixed} disagrees with global batch {global_batch_size} = "
-            f"micro x {acc} accumulate_steps x {dp} data-parallel rank(s) (micro would be {micro}); "
-            f"use a global batch of {fixed * per} or leave micro_batch_size unset"
-        )
-    return BatchLayout(global_batch_size, micro, acc, dp)
-
-
 def compute_dtype_name(strategy: Strategy) -> str:
     """Name of the dtype the model computes in under this strategy: float32, bfloat16 or float16."""
     if not strategy.amp.enable:

@@ -62,6 +62,15 @@ def consolidate(
     return {key: out[key] for key in entries}
 
 
+def fp32_masters(optimizer: Any) -> dict[int, torch.Tensor]:
+    """{id(param): its fp32 master} from DeepSpeed's mixed-precision optimizer at ZeRO-0 (its
+    `fp16_groups` / `fp32_groups`, kept side by side; empty for other optimizers)."""
+    low, high = getattr(optimizer, "fp16_groups", None), getattr(optimizer, "fp32_groups", None)
+    if not low or not high:
+        return {}
+    return {id(p): m for lows, highs in zip(low, high) for p, m in zip(lows, highs) if p.shape == m.shape}
+
+
 def load_whole(module: nn.Module, zero3: bool, state: dict[str, Any]) -> None:
     """Load complete weights into `module`. Under ZeRO-3 one module's parameters are gathered at
     a time (never the whole model on a rank) and rank 0's values are the ones used; buffers are

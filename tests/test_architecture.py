@@ -95,14 +95,14 @@ def test_no_function_over_60_lines():
         ('"zero_optimization"', "framework.ds_config"),
         ("train_micro_batch_size_per_gpu", "framework.ds_config"),
         ("batch_layout(", "framework.runtime"),
+        ("world_size //", "framework.plan"),
+        ("lr_scheduler =", "framework.runtime"),
     ],
 )
 def test_one_owner(needle, owner):
-    """DeepSpeed's engine, its JSON keys and the batch split each live in one module (the
-    definition of `batch_layout` in strategy.py aside)."""
-    users = {
-        name
-        for name, path in MODULES.items()
-        if needle in path.read_text() and not (needle == "batch_layout(" and name == "framework.strategy")
-    }
+    """DeepSpeed's engine, its JSON keys, the batch split, the data-parallel degree and the
+    learning-rate schedule each live in one module (the definition of `batch_layout` in plan.py
+    and the CLI's check of it before a job starts aside)."""
+    aside = {"framework.plan", "framework.build"} if needle == "batch_layout(" else set()
+    users = {name for name, path in MODULES.items() if needle in path.read_text() and name not in aside}
     assert users <= {owner}, users

@@ -9,7 +9,8 @@ from omegaconf import OmegaConf
 
 from framework.ds_config import auto_sizes, deepspeed_config
 from framework.errors import ConfigError
-from framework.strategy import Amp, Sharding, Strategy, batch_layout
+from framework.plan import batch_layout
+from framework.strategy import Amp, Sharding, Strategy
 
 from .conftest import CONF
 

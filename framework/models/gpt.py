@@ -128,8 +128,13 @@ class GPT(nn.Module):
 
 
 class LMLoss(nn.Module):
-    """Cross-entropy of next-token logits (B, T, V) against targets (B, T)."""
+    """Cross-entropy of next-token logits (B, T, V) against targets (B, T); targets equal to
+    `ignore_index` (padding) are not counted."""
+
+    ignore_index = -100
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean loss per token, in nats."""
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        """Mean loss per counted token, in nats."""
+        return F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=self.ignore_index
+        )

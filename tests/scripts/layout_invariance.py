@@ -1,0 +1,100 @@
+"""Run under torchrun (or alone): one optimizer step of the same global batch of padded token
+sequences, through `Engine.fit` and through the fine-grained `run`, for every ZeRO stage x
+accumulation steps, must give the weights of plain torch on the whole batch (the loss summed
+over counted tokens / their number), and log that loss. Models: the framework's GPT with
+`loss=lm`, and a tiny Hugging Face Llama with `loss=model`.
+
+Writes OUT_DIR/rank<R>.json: {"<model> <path> zero<S> acc<A>": [max weight error, loss error]}.
+"""
+
+import copy
+import functools
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from framework import Callback, Engine, Strategy, device
+from framework.models import GPT, LMLoss
+
+out_dir, which = Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "gpt,llama"
+GLOBAL, T, V, LR = 8, 16, 64, 0.5
+torch.manual_seed(0)
+tokens = torch.randint(0, V, (GLOBAL, T))
+labels = tokens.clone()
+for i in range(GLOBAL):  # sample i counts 2 + 2*i tokens (padding is -100): 2 ... 16
+    labels[i, 2 + 2 * i :] = -100
+
+
+def gpt_case():
+    model = GPT(vocab_size=V, block_size=T, n_layer=2, n_head=2, n_embd=32)
+
+    def reference_loss(m):
+        logits = m(tokens)
+        return F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), ignore_index=-100)
+
+    data = list(zip(tokens, labels))
+    return model, LMLoss(), reference_loss, data
+
+
+def llama_case():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=T,
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg)
+    mask = (labels != -100).long()
+    mask[:, 0] = 1
+
+    def reference_loss(m):
+        return m(input_ids=tokens, attention_mask=mask, labels=labels, use_cache=False).loss
+
+    data = [{"input_ids": tokens[i], "attention_mask": mask[i], "labels": labels[i]} for i in range(GLOBAL)]
+    return model, "model", reference_loss, data
+
+
+class FirstLoss(Callback):
+    """The loss logged at the first optimizer step (log_freq=1: reduced over ranks)."""
+
+    loss = None
+
+    def on_step_end(self, state):
+        if "loss" in state.logs and self.loss is None:
+            self.loss = state.logs["loss"]
+
+
+device.init_process_group(timeout_s=120)  # one group for every engine below
+rank, world = device.rank(), device.world_size()
+errors = {}
+for name in which.split(","):
+    model, loss, reference_loss, data = {"gpt": gpt_case, "llama": llama_case}[name]()
+    reference = copy.deepcopy(model)
+    ref_loss = reference_loss(reference)
+    ref_loss.backward()
+    torch.optim.SGD(reference.parameters(), lr=LR).step()
+    expected = reference.state_dict()
+    for stage in (0, 1, 2, 3):
+        for acc in (1, 2, 4):
+            for path in ("fit", "run"):
+                engine = Engine(
+                    copy.deepcopy(model), loss, functools.partial(torch.optim.SGD, lr=LR),
+                    strategy=Strategy(sharding={"stage": stage}, gradient_merge={"k_steps": acc}),
+                )  # fmt: skip
+                if path == "fit":
+                    first = FirstLoss()
+                    engine.fit(
+                        data, batch_size=GLOBAL, epochs=1, shuffle=False, log_freq=1, callbacks=[first]
+                    )
+                    logged = first.loss
+                else:
+                    loader = engine.dataloader(data, batch_size=GLOBAL, mode="train")
+                    logged = device.all_reduce_mean(engine.run(next(iter(loader)))["loss"])
+                state = engine.runtime.full_state_dict(on_every_rank=True)
+                weight_error = max((state[k].float() - v).abs().max().item() for k, v in expected.items())
+                errors[f"{name} {path} zero{stage} acc{acc}"] = [weight_error, abs(logged - ref_loss.item())]
+device.destroy_process_group()
+(out_dir / f"rank{rank}.json").write_text(json.dumps(errors))

@@ -1,0 +1,358 @@
+"""The two guarantees of the run plan (README "Guarantees"):
+
+* order independence: fit, evaluate -> fit, load(weights) -> fit, trainer.init_from, the
+  fine-grained dataloader -> prepare -> run, and a resume after a crash give the same lr
+  sequence and the same weights as a plain fit;
+* layout invariance: the same global batch gives the same update for any ranks x accumulation
+  steps x ZeRO stage (token losses are normalised by the global count of counted tokens).
+
+Plus the edge behaviours the plan decides: incomplete accumulations, steps cut short by the end
+of the data, the default mode of prepare / dataloader / run, and arguments checked up front.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+
+from framework import Callback, ConfigError, Engine, Strategy, device, schedulers
+from framework.data import BatchIterator, Prefetcher
+from framework.datasets import synthetic
+from framework.items import counted_items, step_weights
+from framework.models import MLP, LMLoss
+from framework.outputs import ModelLoss
+from framework.plan import Mesh, step_budget
+from framework.plan import batch_layout as layout_of
+
+from .conftest import FAST, ROOT, run_cmd, run_train, torchrun
+
+DATA = synthetic(num_samples=180)
+EPOCHS, BATCH = 3, 16  # 144 training samples: 9 optimizer steps an epoch, 27 in all
+
+
+@pytest.fixture(autouse=True)
+def _fresh_group():
+    yield
+    device.destroy_process_group()
+
+
+COSINE = functools.partial(schedulers.warmup_cosine, warmup_fraction=0.2)
+
+
+def engine(stage: int = 0, k_steps: int = 1, scheduler=COSINE, **kwargs) -> Engine:
+    torch.manual_seed(0)
+    return Engine(
+        MLP(hidden=[32]),
+        torch.nn.CrossEntropyLoss(),
+        functools.partial(torch.optim.SGD, lr=0.1),
+        scheduler=scheduler,
+        strategy=Strategy(sharding={"stage": stage}, gradient_merge={"k_steps": k_steps}),
+        **kwargs,
+    )
+
+
+class LrPerStep(Callback):
+    """The learning rate after every optimizer step."""
+
+    def __init__(self) -> None:
+        self.lrs: list[float] = []
+        self.step = 0
+
+    def on_step_end(self, state):
+        if state.global_step > self.step:
+            self.step = state.global_step
+            self.lrs.append(state.logs["lr"])
+
+
+class CrashAt(Callback):
+    """A crash in the middle of training (after the checkpoint of that step)."""
+
+    def __init__(self, step: int) -> None:
+        self.at = step
+
+    def on_checkpoint_saved(self, state):
+        if state.global_step == self.at:
+            raise KeyboardInterrupt
+
+
+def weights(e: Engine) -> dict[str, torch.Tensor]:
+    return e.runtime.full_state_dict(on_every_rank=True)
+
+
+def plain_fit(stage: int = 0) -> tuple[list[float], dict[str, torch.Tensor]]:
+    e, lrs = engine(stage), LrPerStep()
+    e.fit(DATA.train, epochs=EPOCHS, batch_size=BATCH, shuffle=False, callbacks=[lrs])
+    return lrs.lrs, weights(e)
+
+
+def assert_same_run(lrs, state, reference):
+    ref_lrs, ref_state = reference
+    assert len(ref_lrs) == EPOCHS * 9 and ref_lrs[4] > 2 * ref_lrs[-1]  # warm-up, then decay
+    assert lrs == pytest.approx(ref_lrs, rel=1e-6)
+    assert max((state[k] - v).abs().max().item() for k, v in ref_state.items()) < 1e-6
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_evaluate_or_load_before_fit_train_like_a_plain_fit(tmp_path, stage):
+    reference = plain_fit(stage)
+    start = tmp_path / "start.safetensors"
+    for first in ("evaluate", "load"):
+        e, lrs = engine(stage), LrPerStep()
+        if first == "evaluate":
+            e.evaluate(DATA.valid, batch_size=BATCH)
+        else:
+            e.prepare("predict")
+            e.save(str(start), training=False)  # its own initial weights, then load them back
+            e.load(str(start))
+        e.fit(DATA.train, epochs=EPOCHS, batch_size=BATCH, shuffle=False, callbacks=[lrs])
+        assert_same_run(lrs.lrs, weights(e), reference)
+
+
+def test_the_fine_grained_flow_trains_like_fit():
+    reference = plain_fit()
+    e, lrs = engine(), []
+    loader = e.dataloader(DATA.train, batch_size=BATCH, epochs=EPOCHS, mode="train")
+    e.prepare(mode="train")
+    for batch in loader:
+        e.run(batch, mode="train")
+        lrs.append(e.lr)
+    assert_same_run(lrs, weights(e), reference)
+
+
+def test_a_resume_after_a_crash_trains_like_an_uninterrupted_fit(tmp_path):
+    reference = plain_fit()
+    crashed = engine()
+    with pytest.raises(KeyboardInterrupt):
+        crashed.fit(
+            DATA.train, epochs=EPOCHS, batch_size=BATCH, shuffle=False, save_dir=str(tmp_path), save_freq=5,
+            callbacks=[CrashAt(10)],
+        )  # fmt: skip
+    device.destroy_process_group()
+    e, lrs = engine(), LrPerStep()
+    lrs.step = 10
+    e.fit(DATA.train, epochs=EPOCHS, batch_size=BATCH, shuffle=False, save_dir=str(tmp_path), resume="auto",
+          callbacks=[lrs])  # fmt: skip
+    assert e.state.info.resumed_from.endswith("step_00000010")
+    assert_same_run(reference[0][:10] + lrs.lrs, weights(e), reference)
+
+
+def test_init_from_on_the_command_line_keeps_the_schedule(tmp_path):
+    """`trainer.init_from` (the fine-tuning path) decays over the run's steps, like a run without it."""
+    from safetensors.torch import save_file
+
+    start = tmp_path / "w.safetensors"
+    torch.manual_seed(1)
+    save_file(MLP(hidden=[64]).state_dict(), str(start))
+    args = [*FAST, "model.hidden=[64]", "trainer.log_every=1", "trainer.epochs=2", "scheduler=cosine"]
+    run = run_train([*args, f"trainer.init_from={start}"], tmp_path / "run")
+    assert run.returncode == 0, run.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    lrs = [r["lr"] for r in records if r["kind"] == "step"]
+    base = max(lrs)
+    opt = torch.optim.SGD([torch.zeros(1)], lr=base)
+    expected = schedulers.warmup_cosine(opt, total_steps=len(lrs))
+    want = []
+    for _ in lrs:  # the lr logged after each step is the one the next step uses
+        opt.step()
+        expected.step()
+        want.append(opt.param_groups[0]["lr"])
+    assert lrs == pytest.approx(want, rel=1e-5) and lrs[-1] < 0.2 * base
+
+
+# ---------------------------------------------------------------------------------------- layout invariance
+
+
+def test_layout_invariance_on_two_ranks(tmp_path):
+    """2 ranks x accumulation 1/2/4 x ZeRO 0-3, fit and run, the GPT with loss=lm and a Llama with
+    loss=model: one SGD step on padded sequences (2 to 16 counted tokens) equals plain torch on
+    the whole batch, and the logged loss is the global token mean."""
+    script = str(ROOT / "tests" / "scripts" / "layout_invariance.py")
+    run = run_cmd([*torchrun(2), script, str(tmp_path)], timeout=280)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for rank in range(2):
+        errors = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert len(errors) == 2 * 4 * 3 * 2
+        bad = {case: e for case, e in errors.items() if max(e) > 1e-5}
+        assert not bad, bad
+
+
+def test_counted_items_follow_the_loss():
+    labels = torch.tensor([[1, 2, -100, -100], [3, -100, -100, -100]])
+    assert counted_items(labels, LMLoss(), None).item() == 3
+    assert counted_items(labels, torch.nn.CrossEntropyLoss(ignore_index=2), None).item() == 7
+    assert counted_items(labels, torch.nn.MSELoss(), None) is None  # a mean over samples: no weight
+    assert counted_items(labels, ModelLoss(), torch.nn.Linear(1, 1)).item() == 3  # not a causal LM: unshifted
+    summed = torch.nn.CrossEntropyLoss(reduction="sum")
+    weights = step_weights([(None, labels[:1]), (None, labels[1:])], summed, None, "labels", 1)
+    assert [w.item() for w in weights] == pytest.approx([2 / 3, 2 / 3])  # ranks x accumulation / items
+    mean = step_weights([(None, labels[:1]), (None, labels[1:])], LMLoss(), None, "labels", 1)
+    assert [w.item() for w in mean] == pytest.approx([4 / 3, 2 / 3])
+
+
+# ---------------------------------------------------------------------------------------- edges
+
+
+def test_an_epoch_ends_at_an_optimizer_step_boundary():
+    """20 samples, batch 8, 4 accumulation steps: 2 micro-batches are left at each epoch's end;
+    they are dropped (as Paddle does), so 2 epochs take the 4 planned steps, none mixing epochs."""
+    layout = layout_of(Strategy(gradient_merge={"k_steps": 4}), 8, 1)
+    budget = step_budget(layout, loader_batches=10, epochs=2)
+    assert (budget.batches_per_epoch, budget.steps_per_epoch, budget.total_steps) == (8, 2, 4)
+    e = engine(k_steps=4)
+    e.fit(
+        torch.utils.data.TensorDataset(torch.randn(20, 64), torch.randint(0, 10, (20,))),
+        epochs=2,
+        batch_size=8,
+    )
+    assert (e.state.global_step, e.total_steps, e.runtime.micro_steps) == (4, 4, 16)
+
+
+def test_steps_per_epoch_counts_optimizer_steps_for_an_iterator_step():
+    def two_batches(engine, dataloader_iter):
+        (x1, y1), (x2, y2) = next(dataloader_iter), next(dataloader_iter)
+        return (engine.loss(engine.model(x1), y1) + engine.loss(engine.model(x2), y2)) / 2
+
+    e = engine(train_step=two_batches)
+    e.fit(DATA.train, epochs=2, batch_size=BATCH, steps_per_epoch=3)
+    assert e.state.global_step == 6 and e.state.batches_fetched == 12
+
+
+def test_a_manual_step_cut_short_by_the_data_leaves_no_gradient_behind():
+    """The epoch's last call backpropagates a batch and then finds no second one: that gradient
+    must not leak into the next epoch's first step (whose update must equal a clean one)."""
+
+    def manual(engine, dataloader_iter):
+        x, y = next(dataloader_iter)
+        engine.backward(engine.loss(engine.model(x), y))
+        x, y = next(dataloader_iter)  # StopIteration on an odd batch count
+        engine.backward(engine.loss(engine.model(x), y))
+        engine.step()
+        return {}
+
+    data = torch.utils.data.TensorDataset(torch.randn(3 * BATCH, 64), torch.randint(0, 10, (3 * BATCH,)))
+    cut = engine(train_step=manual, scheduler=None)  # the same lr whatever the planned step count
+    cut.fit(data, epochs=2, batch_size=BATCH, shuffle=False)
+    clean = engine(train_step=manual, scheduler=None)
+    clean.fit(torch.utils.data.Subset(data, range(2 * BATCH)), epochs=2, batch_size=BATCH, shuffle=False)
+    assert cut.state.global_step == clean.state.global_step == 2
+    diff = max((a - b).abs().max().item() for a, b in zip(weights(cut).values(), weights(clean).values()))
+    assert diff < 1e-7
+
+
+def test_a_step_that_stepped_before_the_data_ran_out_is_counted(tmp_path):
+    def step_then_stop(engine, dataloader_iter):
+        x, y = next(dataloader_iter)
+        engine.backward(engine.loss(engine.model(x), y))
+        engine.step()
+        next(dataloader_iter)  # raises StopIteration after the third batch: that step counts
+        return {}
+
+    e = engine(train_step=step_then_stop)
+    e.fit(DATA.train, epochs=1, batch_size=BATCH * 3, save_dir=str(tmp_path))
+    assert e.state.global_step == e.runtime.global_steps == 2
+    assert (tmp_path / "step_00000002").is_dir()
+
+
+def test_prepare_dataloader_and_run_default_to_the_current_mode():
+    e = engine()
+    loader = e.dataloader(DATA.valid, batch_size=BATCH, mode="predict")
+    e.prepare()
+    out = e.run(next(iter(loader)))
+    assert "outputs" in out and e.runtime.global_steps == 0  # predicted: no optimizer step
+    assert e.dataloader(DATA.valid, batch_size=BATCH) is not None and e.mode == "predict"
+
+
+def test_the_prefetcher_keeps_exactly_its_depth_ahead():
+    pulled = []
+
+    def source():
+        for i in range(10):
+            pulled.append(i)
+            yield i
+
+    prefetcher = Prefetcher(source(), lambda b: b, depth=2)
+    batches = BatchIterator(prefetcher)
+    next(batches)
+    import time
+
+    time.sleep(0.3)
+    assert len(pulled) - batches.fetched == 2
+    prefetcher.close()
+
+
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (lambda: Engine(object()), "torch.nn.Module"),
+        (lambda: Engine(MLP(), torch.nn.CrossEntropyLoss(), "adam"), "torch optimizer or a factory"),
+        (lambda: Engine(MLP(), torch.nn.CrossEntropyLoss(), None, ["acc"]), "metric '0' is 'acc'"),
+        (lambda: Engine(MLP(), "nll"), "callable loss"),
+        (lambda: engine().fit(DATA.train, 3), "keyword arguments"),
+        (lambda: engine().fit(DATA.train, epoch=3), "unknown option(s) ['epoch']"),
+    ],
+)
+def test_wrong_arguments_fail_before_anything_trains(call, words):
+    with pytest.raises(ConfigError) as info:
+        call()
+    assert words in str(info.value)
+
+
+def test_the_mesh_derives_the_data_parallel_degree():
+    assert (Mesh(8, 5, 2).dp_size, Mesh(8, 5, 2).dp_rank) == (4, 1)
+    with pytest.raises(ConfigError, match="does not divide"):
+        layout_of(Strategy(pipeline={"stages": 3}), 12, 4)
+
+
+def test_training_mode_comes_back_after_a_failed_evaluation():
+    e = engine()
+    e.prepare("train")
+    bad = torch.utils.data.TensorDataset(torch.randn(16, 64), torch.randint(0, 10, (16, 3)))  # wrong labels
+    with pytest.raises(ConfigError):
+        e.evaluate(bad, batch_size=16)
+    assert e.runtime.training
+
+
+def test_a_hugging_face_schedule_gets_the_run_budget():
+    """`num_training_steps` is filled like `total_steps`: the schedule ends at 0 on the last step."""
+    transformers = pytest.importorskip("transformers")
+    schedule = functools.partial(transformers.get_cosine_schedule_with_warmup, num_warmup_steps=2)
+    e, lrs = engine(scheduler=schedule), LrPerStep()
+    e.fit(DATA.train, epochs=2, batch_size=BATCH, callbacks=[lrs])
+    assert (
+        len(lrs.lrs) == 18
+        and lrs.lrs[1] == pytest.approx(0.1)
+        and lrs.lrs[-1] == pytest.approx(0.0, abs=1e-9)
+    )
+
+
+# ---------------------------------------------------------------------------------------- one vocabulary
+
+
+def test_the_command_line_and_the_python_api_share_names_and_defaults(compose, tmp_path):
+    """`trainer.*` uses `fit`'s names, with `FitConfig`'s defaults; the differences are the
+    shipped demo run's choices (10 epochs of 64 with a watchdog), named here."""
+    import inspect
+
+    from framework.build import build_fit_config
+    from framework.fit_config import FitConfig
+
+    cfg = compose()
+    built = build_fit_config(cfg, tmp_path, handle_preemption=False).as_kwargs()
+    defaults = FitConfig().as_kwargs()
+    demo = {"epochs": 10, "batch_size": 64, "timeout_s": 300.0, "save_dir": str(tmp_path)}
+    assert {k: v for k, v in built.items() if v != defaults[k]} == demo
+    assert inspect.signature(Engine).parameters["prefetch"].default == cfg.data.prefetch
+
+
+def test_old_trainer_keys_still_work_with_one_line(compose, tmp_path, capsys):
+    from framework.build import build_fit_config
+
+    cfg = compose(["trainer.log_every=3", "trainer.checkpoint.every_n_steps=7", "trainer.valid_freq=2"])
+    built = build_fit_config(cfg, tmp_path, handle_preemption=False)
+    assert (built.log_freq, built.save_freq, built.valid_freq) == (3, 7, 2)
+    out = capsys.readouterr().out
+    assert "trainer.log_every is deprecated: use trainer.log_freq" in out
+    assert "trainer.checkpoint.every_n_steps is deprecated: use trainer.checkpoint.save_freq" in out
