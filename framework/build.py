@@ -24,7 +24,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from framework import checkpoint, construct, runlog
+from framework import checkpoint, construct, runlog, slurm
 from framework import device as dev
 from framework.callbacks import Callback
 from framework.checkpoint import preemption
@@ -103,8 +103,10 @@ def check_monitors(cfg: DictConfig, has_valid: bool) -> None:
             )
 
 
-def build_fit_config(cfg: DictConfig, ckpt_dir: Path, handle_preemption: bool) -> FitConfig:
-    """`Engine.fit`'s arguments from `trainer.*` and `data.*`."""
+def build_fit_config(
+    cfg: DictConfig, ckpt_dir: Path, handle_preemption: bool, resume: str | None
+) -> FitConfig:
+    """`Engine.fit`'s arguments from `trainer.*` and `data.*` (`resume`: see `resume_choice`)."""
     t = cfg.trainer
     return FitConfig(
         epochs=t.epochs,
@@ -121,12 +123,24 @@ def build_fit_config(cfg: DictConfig, ckpt_dir: Path, handle_preemption: bool) -
         save_dir=str(ckpt_dir) if t.checkpoint.enabled else None,
         save_freq=renamed(cfg, "trainer.checkpoint.every_n_steps"),
         keep_last_k=t.checkpoint.keep_last_k,
-        resume=t.resume,
+        resume=resume,
         handle_preemption=handle_preemption,
         peak_tflops=t.peak_tflops,
         timeout_s=float(t.timeout_s),  # a stuck rank ends the job within timeout_s
         progress=False,  # the logger group decides what the console shows
     )
+
+
+def resume_choice(cfg: DictConfig) -> str | None:
+    """`trainer.resume`; unset in a requeued Slurm job (the time limit or a preemption stopped its
+    earlier attempt, which saved), `auto`: the attempt goes on from the newest checkpoint."""
+    if cfg.trainer.resume is None and cfg.trainer.checkpoint.enabled and slurm.requeued():
+        if dev.is_main_process():
+            print(
+                f"slurm: requeued (attempt {int(os.environ['SLURM_RESTART_COUNT']) + 1}): trainer.resume=auto"
+            )
+        return "auto"
+    return None if cfg.trainer.resume is None else str(cfg.trainer.resume)
 
 
 def renamed(cfg: DictConfig, old: str) -> Any:
@@ -312,13 +326,14 @@ def _fit(cfg: DictConfig, engine: Engine, splits: Any, ckpt_dir: Path) -> dict[s
     preempt = t.checkpoint.enabled and threading.current_thread() is threading.main_thread()
     if preempt:
         preemption.install_handler()
-    if t.init_from and not (t.resume and (t.resume != "auto" or checkpoint.find_resumable(ckpt_dir))):
+    resume = resume_choice(cfg)
+    if t.init_from and not (resume and (resume != "auto" or checkpoint.find_resumable(ckpt_dir))):
         engine.prepare("train", int(t.batch_size))
         try:
             engine.load(str(t.init_from))  # a fresh start from these weights
         except (CheckpointError, FileNotFoundError) as exc:
             raise type(exc)(f"trainer.init_from={t.init_from}: {exc}") from None
-    kwargs = build_fit_config(cfg, ckpt_dir, preempt).as_kwargs()
+    kwargs = build_fit_config(cfg, ckpt_dir, preempt, resume).as_kwargs()
     if kwargs["collate_fn"] is None:  # the data's own (e.g. padding for text classification)
         kwargs["collate_fn"] = getattr(splits, "collate_fn", None)
     return engine.fit(splits.train, splits.valid, **kwargs)

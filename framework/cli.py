@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import signal
 import sys
 import traceback
 from pathlib import Path
@@ -23,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from framework import device as dev
-from framework import runlog, watchdog
+from framework import runlog, slurm, sweep, watchdog
 from framework.argv import HydraView, check_group_choice, check_untyped_keys, normalize, untyped_overrides
 from framework.build import checkpoint_dir, train, validate
 from framework.checkpoint import preemption
@@ -68,6 +67,7 @@ def prepare_argv(argv: list[str] | None = None, conf_dir: Path | None = None) ->
         _exit_config_error(exc)
     if untyped_overrides(view.overrides):
         _name_unknown_keys()
+    join_slurm_tasks()  # the tasks of a plain `srun` step learn their ranks here, before Hydra runs
     if dev.launched() and int(os.environ.get("RANK", "0")) > 0:
         argv.extend(["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout"])
 
@@ -175,8 +175,11 @@ def run(cfg: DictConfig) -> float | None:
     """Run one job from a composed config; return the monitored value (for sweepers)."""
     verbose = _verbose(cfg)
     dev.quiet_deepspeed(verbose)
+    output_dir = hydra_output_dir() or default_output_dir()
+    if dev.rank() == 0:
+        sweep.clear_status(Path(output_dir))
     try:
-        return launch_job(cfg, hydra_output_dir() or default_output_dir())
+        value = launch_job(cfg, output_dir)
     except USER_ERRORS as exc:
         if verbose:
             traceback.print_exc()
@@ -184,15 +187,13 @@ def run(cfg: DictConfig) -> float | None:
     except WorkerFailed as exc:
         return _fail(str(exc), show=not exc.printed)
     except Interrupted as exc:
-        # SIGTERM is preemption: the workers saved and rank 0 said where (exit 0), unless no
-        # checkpoint was written for it (exit 1, naming the last good one). Leave at once: the
-        # launcher's rendezvous store can still hold C++ threads that abort an ordinary
-        # interpreter exit ("terminate called without an active exception").
+        # A preemption signal the workers did not survive: exit 1, naming the last good checkpoint;
+        # INT, HUP, QUIT: 128 + the signal. Leave at once: the launcher's rendezvous store can
+        # still hold C++ threads that abort an ordinary interpreter exit.
         code = 128 + exc.signum
-        if exc.signum == signal.SIGTERM:
-            code = _preempted_exit_code(
-                checkpoint_dir(cfg, hydra_output_dir() or default_output_dir()), exc.since
-            )
+        if exc.signum in preemption.SIGNALS:
+            preemption.note_requested(exc.since, exc.signum)
+            code = _preempted_exit_code(checkpoint_dir(cfg, output_dir), exc.since)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
@@ -203,21 +204,51 @@ def run(cfg: DictConfig) -> float | None:
         if verbose:
             traceback.print_exc()
         return _fail(failure, show=True)
+    if preemption.saved_step() is not None:
+        return _end_preempted(Path(output_dir))
+    if dev.rank() == 0:
+        sweep.write_status(Path(output_dir), "ok")
+    return value
+
+
+def _end_preempted(output_dir: Path) -> float:
+    """A preempted run that saved: exit `EXIT_PREEMPTED` (every rank) for the job script to
+    requeue; under submitit, a USR1/USR2 goes on to submitit's own handler, which requeues the job
+    (and ends the process itself). A submitit job that is not requeued returns NaN instead, so
+    submitit records a result and the sweep's summary (which reads the status written here)
+    names it. A local sweep ends: the signal was for the whole process."""
+    main = dev.rank() == 0
+    requeue = preemption.submitit_requeue()
+    if main:
+        sweep.write_status(output_dir, "requeued" if requeue else "preempted")
+    if requeue is not None:
+        try:
+            requeue()  # submitit requeues the job and exits; rank > 0 returns
+        except Exception as exc:  # submitit would not requeue (e.g. max_num_timeout reached)
+            if main:
+                print(f"Error: not requeued: {exc}", file=sys.stderr)
+                sweep.write_status(output_dir, "preempted")
+    if slurm.under_submitit() and _is_multirun():
+        return math.nan
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(preemption.EXIT_PREEMPTED)
 
 
 def _preempted_exit_code(ckpt_dir: Path, since: float) -> int:
-    """0 when the workers wrote a checkpoint for the preemption (or the run's final one) after
-    `since`; otherwise 1, naming the last good checkpoint."""
+    """`EXIT_PREEMPTED` when the workers wrote a checkpoint for the preemption after `since`, 0
+    when the run's final one (it finished); otherwise 1, naming the last good checkpoint."""
     newest = complete_checkpoints(ckpt_dir)[-1:] if ckpt_dir.is_dir() else []
     try:
         meta = read_meta(newest[0]) if newest else {}
     except CheckpointError:
         meta = {}
     if meta.get("reason") in ("preempted", "end") and float(meta.get("time", 0)) >= since:
-        return 0
+        return preemption.EXIT_PREEMPTED if meta["reason"] == "preempted" else 0
     last = f"{newest[0]} (step {meta.get('step')})" if newest else "none"
     print(
-        f"Error: preempted (SIGTERM) before a checkpoint could be saved; last good checkpoint: {last}",
+        f"Error: preempted ({preemption.signal_name()}) before a checkpoint could be saved; "
+        f"last good checkpoint: {last}",
         file=sys.stderr,
     )
     return 1
@@ -252,25 +283,22 @@ def launch_job(cfg: DictConfig, output_dir: str) -> float | None:
     check_devices(devices)
     validate(cfg, world_size=devices)  # fail here, before starting workers
     container = OmegaConf.to_container(cfg, resolve=True)  # workers have no Hydra state
-    return spawn(
+    value, report = spawn(
         worker_main, (container, output_dir, context), devices, timeout_s=float(cfg.trainer.timeout_s)
     )
+    preemption.adopt(report)  # rank 0's: the launcher exits as a preempted worker would
+    return value
 
 
 @record
-def worker_main(container: dict[str, Any], output_dir: str, context: dict[str, Any]) -> float | None:
-    """One worker of a `trainer.devices=N` job (runs in a fresh process)."""
+def worker_main(container: dict[str, Any], output_dir: str, context: dict[str, Any]) -> tuple[Any, ...]:
+    """One worker of a `trainer.devices=N` job (runs in a fresh process): its monitored value and
+    whether it stopped for preemption (`preemption.report()`), returned to the launcher, which
+    collects every worker's return value before the job ends, preempted or not."""
     cfg = OmegaConf.create(container)
     dev.quiet_deepspeed(_verbose(cfg))
     try:
-        value = train(cfg, output_dir, context)
-        if preemption.requested_at() is not None:
-            # The launcher is shutting down (it forwarded SIGTERM) and no longer collects return
-            # values: returning would wait for it, until it gives up and kills us 30 s later.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
-        return value
+        return train(cfg, output_dir, context), preemption.report()
     except USER_ERRORS as exc:
         if _verbose(cfg):
             traceback.print_exc()
@@ -283,6 +311,8 @@ def worker_main(container: dict[str, Any], output_dir: str, context: dict[str, A
             raise
         print(f"Error: {failure}", file=sys.stderr, flush=True)
         sys.exit(1)
+    except KeyboardInterrupt:  # SIGINT: torch's process wrapper would exit 0 without a result
+        sys.exit(130)
 
 
 # What gloo says when the other end of a collective stopped, died or never came.

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
+from framework import slurm
 from framework.errors import ConfigError
 from framework.strategy import Strategy
 
@@ -118,6 +119,8 @@ def register_configs() -> None:
     """Register the schema so `train.yaml` can name it first in its defaults list."""
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
+    # conf/hydra/launcher/slurm.yaml: request GPUs only for a run that uses them
+    OmegaConf.register_new_resolver("slurm_gpus", slurm.gpus_per_node, replace=True)
 
 
 # The smallest value each numeric key accepts (a float bound is exclusive); null stays allowed

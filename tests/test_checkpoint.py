@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from framework import checkpoint, device
+from framework.checkpoint.preemption import EXIT_PREEMPTED
 from framework.export import fp32_state_dict, load_weights
 from framework.models import MLP
 
@@ -91,9 +92,7 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, case):
 
 
 def _two_checkpoint_run(tmp_path: Path) -> Path:
-    run = run_train(
-        [*FAST, "trainer.checkpoint.save_freq=5", "trainer.checkpoint.keep_last_k=2"], tmp_path
-    )
+    run = run_train([*FAST, "trainer.checkpoint.save_freq=5", "trainer.checkpoint.keep_last_k=2"], tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     return tmp_path / "checkpoints"
 
@@ -141,7 +140,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, devices):
     signalled = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err[-3000:]
+    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]  # saved, not finished: requeue me
     assert "preempted (SIGTERM): checkpoint saved at step" in out
     assert time.monotonic() - signalled < 20  # the launcher does not wait out torch elastic's 30 s
     saved = checkpoint.find_resumable(tmp_path / "checkpoints")

@@ -150,7 +150,7 @@ def test_a_failed_sweep_job_fails_the_sweep_and_is_named(tmp_path):
     run = run_cmd([sys.executable, str(ROOT / "train.py"), *args], timeout=240)
     assert run.returncode != 0
     assert "global batch size 63 does not divide" in run.stderr
-    assert "Traceback" not in run.stderr and "1 job(s) failed: 1 (trainer.batch_size=63" in run.stdout
+    assert "Traceback" not in run.stderr and "1 job(s) did not finish: 1 (trainer.batch_size=63" in run.stdout
     rows = {
         row["overrides"].split()[0]: row["status"]
         for row in json.loads((tmp_path / "summary.json").read_text())

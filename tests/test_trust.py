@@ -478,9 +478,9 @@ def test_a_worker_killed_by_a_signal_is_named_and_the_launcher_leaves_no_temp_di
     assert not list(temp.glob("torchelastic_*")) and not list(temp.glob("hydraspeed-launch-*"))
 
 
-def test_sigterm_to_launcher_and_workers_together_saves_and_exits_zero(tmp_path):
-    """What Slurm does: SIGTERM to every process of the job, then again (torch elastic forwards the
-    launcher's too): the workers save once, the job exits 0 and resumes."""
+def test_sigterm_to_launcher_and_workers_together_saves_and_exits_preempted(tmp_path):
+    """What Slurm does: SIGTERM to every process of the job, then again (the launcher forwards its
+    own too): the workers save once, the job exits EXIT_PREEMPTED (75) and resumes."""
     import signal
 
     proc = popen([sys.executable, str(ROOT / "train.py"), *FAST, "trainer.epochs=5", "trainer.devices=2",
@@ -493,7 +493,7 @@ def test_sigterm_to_launcher_and_workers_together_saves_and_exits_zero(tmp_path)
     time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err[-3000:]
+    assert proc.returncode == 75, err[-3000:]
     saved = checkpoint.find_resumable(tmp_path / "checkpoints")
     meta = json.loads((saved / "COMPLETE.json").read_text())
     assert meta["reason"] == "preempted" and 0 < meta["step"] < 110

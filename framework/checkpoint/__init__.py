@@ -5,7 +5,7 @@
 * `lock`        one run at a time per checkpoints dir;
 * `manager`     saves and loads the stateful parts it is handed (runtime, loop state, metrics,
                 RNG), and the callback that saves on schedule;
-* `preemption`  the SIGTERM flag and the ranks' agreement on it.
+* `preemption`  the preemption signals (TERM, USR1, USR2) and the ranks' agreement on them.
 """
 
 from framework.checkpoint.manager import (

@@ -315,7 +315,7 @@ def needs_universal(path: Path, dp_size: int) -> bool:
 
 class CheckpointManager(Callback):
     """Saves every `every_n_steps` optimizer steps, when training ends, and on preemption (at
-    the first optimizer-step boundary after every rank agrees that one of them got SIGTERM)."""
+    the first optimizer-step boundary after every rank agrees that one of them got a preemption signal)."""
 
     def __init__(
         self,
@@ -359,8 +359,11 @@ class CheckpointManager(Callback):
             return
         if self._preempted:
             self.save_now("preempted")
+            preemption.note_saved(state.global_step)
             state.stop_training = True
-            state.stop_reason = f"preempted (SIGTERM): checkpoint saved at step {state.global_step}"
+            state.stop_reason = (
+                f"preempted ({preemption.signal_name()}): checkpoint saved at step {state.global_step}"
+            )
         elif self.every_n_steps and state.global_step % self.every_n_steps == 0:
             self.save_now("schedule")
 

@@ -1,16 +1,19 @@
-"""Preemption: SIGTERM (what Slurm sends before it stops a job) asks for a checkpoint at the next
-step boundary, then a clean exit.
+"""Preemption: SIGTERM (what Slurm sends before it stops a job), SIGUSR1 (the time-limit warning
+of `sbatch --signal=USR1@60`) and SIGUSR2 (the one submitit asks Slurm for) ask for a checkpoint
+at the next step boundary every rank agrees on, then an exit with `EXIT_PREEMPTED`.
 
-Every SIGTERM after the first is absorbed too: Slurm signals the launcher and the workers
-together and torch elastic forwards the launcher's, so a worker sees two; the second must not
-kill it before it has saved. A preempted job exits 0 only when a checkpoint newer than the
-signal exists (`saved_since_signal`).
+Every signal after the first is absorbed too: Slurm signals the launcher and the workers
+together and the launcher forwards its own, so a worker sees two; the second must not kill it
+before it has saved. A preempted job exits `EXIT_PREEMPTED` only when a checkpoint newer than
+the signal exists; under submitit, a USR1/USR2 then goes on to submitit's own handler, which
+requeues the job (`submitit_requeue`), and the requeued attempt resumes from it.
 """
 
 from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,27 +21,95 @@ import torch.distributed as dist
 
 from framework import device as dev
 
-_requested_at: float | None = None  # time of the first SIGTERM
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+# Exit code of a job that stopped for a preemption signal after saving a checkpoint: "not done,
+# resume me" (EX_TEMPFAIL). An sbatch script requeues on it; a sweep counts the job as preempted.
+EXIT_PREEMPTED = 75
+
+_requested_at: float | None = None  # time of the first signal
+_signal: int | None = None  # which one
+_saved_step: int | None = None  # the preemption checkpoint's step, once saved
+_previous: dict[int, Any] = {}  # the handlers ours replaced (submitit's among them)
 
 
 def install_handler() -> None:
-    """Note SIGTERM (every one of them) instead of dying on it."""
+    """Note TERM, USR1 and USR2 (every one of them) instead of dying on them."""
 
     def handler(signum: int, frame: Any) -> None:
-        global _requested_at
-        if _requested_at is None:
-            _requested_at = time.time()
+        note_requested(time.time(), signum)
 
-    signal.signal(signal.SIGTERM, handler)
+    for signum in SIGNALS:
+        before = signal.signal(signum, handler)
+        if getattr(before, "__qualname__", "") != handler.__qualname__:
+            _previous[signum] = before
+
+
+def note_requested(at: float, signum: int) -> None:
+    """Record a preemption request (a signal here, or one a worker reported to its launcher)."""
+    global _requested_at, _signal
+    if _requested_at is None:
+        _requested_at, _signal = at, signum
 
 
 def requested_at() -> float | None:
-    """When this process first got SIGTERM (None: it did not)."""
+    """When this process first got a preemption signal (None: it did not)."""
     return _requested_at
 
 
+def signal_name() -> str:
+    """The first preemption signal's name (SIGTERM when none came)."""
+    return signal.Signals(_signal or signal.SIGTERM).name
+
+
+def _submitit_handler() -> Callable[[int, Any], None] | None:
+    """submitit's checkpoint-and-requeue handler, where submitit started this process."""
+    for signum in (signal.SIGUSR2, signal.SIGUSR1):
+        for candidate in (_previous.get(signum), signal.getsignal(signum)):
+            owner: Any = getattr(candidate, "__self__", None)
+            requeue = getattr(owner, "checkpoint_and_try_requeue", None)
+            if requeue is not None and type(owner).__module__.startswith("submitit."):
+                return requeue  # type: ignore[no-any-return]
+    return None
+
+
+def submitit_requeue() -> Callable[[], None] | None:
+    """After a USR1/USR2 save under submitit: submitit's own handler, which requeues the job
+    through its checkpoint protocol (`max_num_timeout` bounds the time-limit requeues) and exits.
+    None when there is nothing to hand over to (not under submitit, or SIGTERM: a cancellation,
+    or a preemption that Slurm requeues by itself)."""
+    handler, signum = _submitit_handler(), _signal
+    if handler is None or signum not in (signal.SIGUSR1, signal.SIGUSR2):
+        return None
+    return lambda: handler(signum, None)
+
+
+def note_saved(step: int) -> None:
+    """The run stopped for preemption after saving a checkpoint of `step` (every rank)."""
+    global _saved_step
+    _saved_step = step
+
+
+def saved_step() -> int | None:
+    """The step of the preemption checkpoint this process's run saved (None: it was not preempted)."""
+    return _saved_step
+
+
+def report() -> tuple[float | None, int | None, int | None]:
+    """This process's preemption state, for its launcher (`adopt`)."""
+    return _requested_at, _signal, _saved_step
+
+
+def adopt(state: tuple[float | None, int | None, int | None]) -> None:
+    """Take on a worker's preemption state (`report`): the launcher ends the job as it would."""
+    at, signum, step = state
+    if at is not None and signum is not None:
+        note_requested(at, signum)
+    if step is not None:
+        note_saved(step)
+
+
 class Agreement:
-    """Whether any rank got SIGTERM, agreed on by every rank without stalling the step.
+    """Whether any rank got a preemption signal, agreed on by every rank without stalling the step.
 
     Each `poll()` (every rank calls it at the same points of the loop) starts an all-reduce of
     this rank's flag and returns the result started two polls earlier: by then it has finished,

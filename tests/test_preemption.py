@@ -1,0 +1,104 @@
+"""Preemption signals wherever they land: TERM, USR1 and USR2, sent to the launcher of a
+`trainer.devices=N` run, to its workers only, or to a single process, save a checkpoint at the
+next step boundary and end the job within seconds with the documented exit code."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from framework import checkpoint
+from framework.checkpoint.preemption import EXIT_PREEMPTED
+
+from .conftest import FAST, ROOT, popen
+
+pytestmark = pytest.mark.timeout(300)
+
+SLOW = "+callbacks.slow={_target_:tests.helpers.SlowDown,seconds:0.08}"
+
+
+def start(args: list[str], run_dir: Path) -> subprocess.Popen:
+    return popen([sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={run_dir}"])
+
+
+def wait_for_steps(proc: subprocess.Popen, run_dir: Path, count: int = 3, timeout: float = 120) -> None:
+    """Until the run logged `count` records (it is training, its handlers are installed)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        try:
+            if len((run_dir / "metrics.jsonl").read_text().splitlines()) >= count:
+                return
+        except FileNotFoundError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError("the run logged nothing in time")
+
+
+def workers_of(pid: int) -> list[psutil.Process]:
+    children = psutil.Process(pid).children()
+    return [c for c in children if not any("resource_tracker" in part for part in c.cmdline())]
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """The run's output once it ended; a run still going after `timeout` is killed and fails the test."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(
+            f"the job did not end within {timeout} s of the signal:\n{err[-3000:]}"
+        ) from None
+
+
+@pytest.mark.parametrize(
+    ("signum", "target", "devices"),
+    [
+        (signal.SIGTERM, "workers", 2),  # a pod's or a process group's signal: not the launcher
+        (signal.SIGUSR1, "launcher", 2),  # sbatch --signal=USR1@60 to a one-task step
+        (signal.SIGUSR2, "launcher", 1),  # submitit's time-limit signal, one process
+    ],
+)
+def test_a_preemption_signal_saves_and_ends_the_job_with_the_preempted_exit_code(
+    tmp_path, signum, target, devices
+):
+    proc = start([*FAST, "trainer.epochs=5", SLOW, f"trainer.devices={devices}"], tmp_path)
+    wait_for_steps(proc, tmp_path)
+    signalled = time.monotonic()
+    if target == "workers":
+        workers = workers_of(proc.pid)
+        assert len(workers) == devices
+        for worker in workers:
+            worker.send_signal(signum)
+    else:
+        proc.send_signal(signum)
+    out, err = finish(proc, timeout=60)
+    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    assert time.monotonic() - signalled < 30
+    assert f"preempted ({signal.Signals(signum).name}): checkpoint saved at step" in out
+    saved = checkpoint.find_resumable(tmp_path / "checkpoints")
+    meta = json.loads((saved / "COMPLETE.json").read_text())
+    assert meta["reason"] == "preempted" and 0 < meta["step"] < 110
+    assert json.loads((tmp_path / "status.json").read_text())["status"] == "preempted"
+
+
+def test_ctrl_c_ends_a_devices_2_job_with_130(tmp_path):
+    """SIGINT is not preemption: the launcher passes it on and the job ends at once, 128 + 2 (a
+    worker interrupted inside torch's process wrapper would otherwise exit 0 with no result and
+    leave the launcher waiting for one)."""
+    proc = start([*FAST, "trainer.epochs=5", SLOW, "trainer.devices=2"], tmp_path)
+    wait_for_steps(proc, tmp_path)
+    signalled = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the launcher and its workers
+    finish(proc, timeout=60)
+    assert proc.returncode == 130
+    assert time.monotonic() - signalled < 30
