@@ -194,23 +194,30 @@ def test_plain_srun_with_two_tasks_on_two_nodes_forms_one_group(uninterrupted):
     assert (run_dir / "metrics.jsonl").read_text().count('"kind": "epoch"') == 3  # rank 0 alone wrote
 
 
-def test_a_time_limit_signal_under_submitit_saves_requeues_and_finishes_alike(
-    cluster, uninterrupted, tmp_path
-):
-    """The README's sweep on two nodes; Slurm's time-limit warning (submitit asks for USR2, sent
-    here at once with scancel --signal) -> checkpoint -> submitit requeues -> the requeued
-    attempt resumes by itself -> the same final metrics as the uninterrupted run."""
-    args = ["-m", "hydra/launcher=slurm", "hydra.launcher.nodes=2", "hydra.launcher.timeout_min=5", *ARGS]
+def _signal_a_sweep(cluster, tmp_path, extra: list[str], timeout: float):
+    """A one-job sweep on the slurm launcher, sent submitit's time-limit signal (USR2) as soon as
+    it logs: (process, job id, stdout, stderr) once the launcher has ended."""
+    args = ["-m", "hydra/launcher=slurm", "hydra.launcher.timeout_min=5", *extra, *ARGS]
     proc = popen([sys.executable, str(ROOT / "train.py"), *args, f"hydra.sweep.dir={tmp_path}"],
                  env=subprocess_env(SLURM_CONF=cluster.env["SLURM_CONF"]))  # fmt: skip
     try:
         wait_for_records(tmp_path / "0", proc=proc)
         job = only_job(cluster)
         assert cluster.run(["scancel", "--signal=USR2", job]).returncode == 0
-        out, err = proc.communicate(timeout=300)
+        out, err = proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+    return proc, job, out, err
+
+
+def test_a_time_limit_signal_under_submitit_saves_requeues_and_finishes_alike(
+    cluster, uninterrupted, tmp_path
+):
+    """The README's sweep on two nodes; Slurm's time-limit warning (submitit asks for USR2, sent
+    here at once with scancel --signal) -> checkpoint -> submitit requeues -> the requeued
+    attempt resumes by itself -> the same final metrics as the uninterrupted run."""
+    proc, job, out, err = _signal_a_sweep(cluster, tmp_path, ["hydra.launcher.nodes=2"], timeout=300)
     assert proc.returncode == 0, err[-3000:]
     assert "restarts=1" in cluster.wait_job(job)
     assert "preempted" in reasons(tmp_path / "0" / "checkpoints")
@@ -293,24 +300,10 @@ def test_a_preempted_job_submitit_does_not_requeue_is_summarised_preempted_and_f
 ):
     """max_num_timeout=0: submitit declines the requeue after a time limit. The job saved; the
     summary says `preempted` at the step reached (not `ok`), and the sweep exits non-zero."""
-    args = [
-        "-m",
-        "hydra/launcher=slurm",
-        "hydra.launcher.timeout_min=5",
-        "hydra.launcher.max_num_timeout=0",
-        *ARGS,
-    ]
-    proc = popen([sys.executable, str(ROOT / "train.py"), *args, f"hydra.sweep.dir={tmp_path}"],
-                 env=subprocess_env(SLURM_CONF=cluster.env["SLURM_CONF"]))  # fmt: skip
-    try:
-        wait_for_records(tmp_path / "0", proc=proc)
-        job = only_job(cluster)
-        assert cluster.run(["scancel", "--signal=USR2", job]).returncode == 0
-        out, err = proc.communicate(timeout=180)
-        cluster.wait_job(job)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    proc, job, out, err = _signal_a_sweep(
+        cluster, tmp_path, ["hydra.launcher.max_num_timeout=0"], timeout=180
+    )
+    cluster.wait_job(job)
     assert proc.returncode == 1 and "Traceback" not in err, err[-3000:]
     [row] = json.loads((tmp_path / "summary.json").read_text())
     assert row["status"] == "preempted" and 0 < row["step"] < 66
