@@ -341,7 +341,7 @@ def test_the_command_line_and_the_python_api_share_names_and_defaults(compose, t
     from framework.fit_config import FitConfig
 
     cfg = compose()
-    built = build_fit_config(cfg, tmp_path, handle_preemption=False).as_kwargs()
+    built = build_fit_config(cfg, tmp_path, handle_preemption=False, resume=None).as_kwargs()
     defaults = FitConfig().as_kwargs()
     demo = {"epochs": 10, "batch_size": 64, "timeout_s": 300.0, "save_dir": str(tmp_path), "progress": False}
     assert {k: v for k, v in built.items() if v != defaults[k]} == demo
@@ -352,7 +352,7 @@ def test_old_trainer_keys_still_work_with_one_line(compose, tmp_path, capsys):
     from framework.build import build_fit_config
 
     cfg = compose(["trainer.log_every=3", "trainer.checkpoint.every_n_steps=7", "trainer.valid_freq=2"])
-    built = build_fit_config(cfg, tmp_path, handle_preemption=False)
+    built = build_fit_config(cfg, tmp_path, handle_preemption=False, resume=None)
     assert (built.log_freq, built.save_freq, built.valid_freq) == (3, 7, 2)
     out = capsys.readouterr().out
     assert "trainer.log_every is deprecated: use trainer.log_freq" in out
