@@ -401,7 +401,10 @@ def test_the_python_api_under_torchrun_exits_zero_without_explicit_teardown(tmp_
 
     run = run_cmd([*torchrun(2), str(script)], timeout=180)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.count("loss") == 2 and "terminate called" not in run.stderr
+    printed = [
+        line for line in run.stdout.splitlines() if line.startswith("loss ")
+    ]  # beside rank 0's progress
+    assert len(printed) == 2 and "terminate called" not in run.stderr
 
 
 def test_a_stuck_rank_ends_the_job_within_the_timeout(tmp_path):
