@@ -154,7 +154,7 @@ class Engine:
         current mode ("train" before any). `batch_size` is global; for training it fixes the
         batch layout. `inputs_spec` / `labels_spec` are accepted for Paddle compatibility;
         shapes are taken from the data at run time."""
-        mode = check_mode(mode or self.mode or "train")
+        mode = self._mode(mode)
         has_optimizer = self.optimizer_spec is not None or configures_optimizer(self.strategy)
         if mode == "train" and (self.loss is None and self.train_step_fn is None or not has_optimizer):
             raise ConfigError("set optimizer and loss before training (Engine(model, loss, optimizer, ...))")
@@ -172,6 +172,10 @@ class Engine:
         if mode == "train" and self._scheduled_for is None:
             self.schedule(self.total_steps)
         self._prepared.add(mode)
+
+    def _mode(self, mode: str | None) -> str:
+        """`mode`, else the engine's current one ("train" before any), as Paddle's calls default."""
+        return check_mode(mode or self.mode or "train")
 
     def schedule(self, total_steps: int | None) -> None:
         """Give the learning-rate schedule training's optimizer-step budget: `fit` and a training
@@ -253,7 +257,7 @@ class Engine:
         accumulation steps); every train batch is full, whatever `drop_last` says (DeepSpeed
         steps a fixed micro-batch). Eval/predict shards cover each sample once, also the last
         incomplete batch (`run` ignores the padding that evens them out)."""
-        mode = check_mode(mode or self.mode or "train")
+        mode = self._mode(mode)
         loader = fine_grained.dataloader(
             self, dataset, batch_size, mode, shuffle, collate_fn, num_workers, epochs, steps_per_epoch
         )
@@ -266,7 +270,7 @@ class Engine:
         """Legacy path for a Python generator of samples (a callable returning an iterator, or a
         re-iterable): samples are dealt round-robin to ranks and collated into global batches."""
         return fine_grained.generator_loader(
-            self, generator, batch_size, mode or self.mode or "train", epochs, steps_per_epoch, collate_fn
+            self, generator, batch_size, self._mode(mode), epochs, steps_per_epoch, collate_fn
         )
 
     def run(

@@ -87,8 +87,8 @@ def dataloader(
             collate_fn,
             num_workers,
         )
-        host.prepare(mode, batch_size)
         host.schedule(epochs * min(len(loader), steps_per_epoch or len(loader)))  # one step per batch
+        host.prepare(mode, batch_size)
         unpadded = None
     else:
         per_rank = eval_split(runtime.mesh, batch_size)

@@ -37,7 +37,7 @@ def _loss_fn(loss: Any) -> Any:
     return getattr(loss, "fn", loss)  # a steps.LossFunction wraps the configured callable
 
 
-def reduction_of(loss: Any, module: Any) -> str | None:
+def reduction_of(loss: Any) -> str | None:
     """How `loss` reduces: "mean" over counted items, "sum", or None (a mean over samples, or
     unknown: no weighting)."""
     if loss is None:
@@ -56,7 +56,7 @@ def reduction_of(loss: Any, module: Any) -> str | None:
 def counted_items(labels: Any, loss: Any, module: Any) -> torch.Tensor | None:
     """The items of one micro-batch `loss` averages (or sums) over, as a 0-d tensor on the
     labels' device, or None when the loss needs no weighting."""
-    reduction = reduction_of(loss, module)
+    reduction = reduction_of(loss)
     if reduction is None or not isinstance(labels, torch.Tensor):
         return None
     if labels.is_floating_point():
@@ -84,6 +84,5 @@ def step_weights(
         torch.distributed.all_reduce(total)
     total = total.to(local.device).clamp_min(1.0)
     scale = dp_size * len(micro_batches) / total
-    reduction = reduction_of(loss, module)
-    weights = local * scale if reduction == "mean" else scale.expand(len(micro_batches))
+    weights = local * scale if reduction_of(loss) == "mean" else scale.expand(len(micro_batches))
     return [w.to(torch.float32) for w in weights.unbind()]

@@ -63,8 +63,8 @@ def fit(
     plan, loader = plan_fit(host, train_data, cfg)  # every number first, then the parts
     if not runtime.ready:
         runtime.load_universal = plan.load_universal
+    host.schedule(plan.budget.total_steps)  # before prepare: a first build gets the budget at once
     host.prepare("train", cfg.batch_size)
-    host.schedule(plan.budget.total_steps)
     _start_run(host, cfg, plan)
     speed = Speedometer(runtime, cfg.batch_size, cfg.peak_tflops)
     parts = checkpoint.Stateful(runtime, st, host.metrics)
