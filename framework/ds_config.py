@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from typing import Any
 
 from framework.plan import BatchLayout
-from framework.strategy import Strategy
+from framework.strategy import Strategy, parse_tp_style
 
 
 def auto_sizes(num_params: int, largest_param: int, largest_block: int = 0) -> dict[str, int]:
@@ -105,6 +106,49 @@ def _zero_section(
     return zero
 
 
+def _pattern(module_pattern: str) -> str:
+    """A plan's module-name pattern (`*` = one name part) as the regex of its weight's name."""
+    parts = (r"[^.]+" if part == "*" else re.escape(part) for part in module_pattern.split("."))
+    return r"^(.*\.)?" + r"\.".join(parts) + r"\.weight$"
+
+
+def _layer_specs(plan: dict[str, str]) -> list[dict[str, Any]]:
+    specs = []
+    for module_pattern, style in plan.items():
+        kind, fused = parse_tp_style(f"tensor-parallel plan[{module_pattern!r}]", style)
+        spec: dict[str, Any] = {
+            "patterns": [_pattern(module_pattern)],
+            "partition_type": "skip" if kind == "replicate" else kind,
+        }
+        if fused > 1:
+            spec["shape"] = [fused, -1]
+            spec["partition_dim"] = 0
+        specs.append(spec)
+    return specs
+
+
+def _model_parallel(strategy: Strategy, tp_plan: dict[str, str] | None) -> dict[str, Any]:
+    """DeepSpeed's AutoTP / Ulysses / AutoEP sections for the strategy's degrees."""
+    out: dict[str, Any] = {}
+    tp = strategy.tensor_parallel
+    if tp.degree > 1:
+        section: dict[str, Any] = {"autotp_size": tp.degree}
+        if tp_plan:
+            section["partition_config"] = {"use_default_specs": False, "layer_specs": _layer_specs(tp_plan)}
+        elif tp.preset:
+            section["preset_model"] = tp.preset
+        out["tensor_parallel"] = section
+    if strategy.sequence_parallel.degree > 1:
+        out["sequence_parallel_size"] = strategy.sequence_parallel.degree
+    ep = strategy.expert_parallel
+    if ep.degree > 1:
+        expert: dict[str, Any] = {"enabled": True, "autoep_size": ep.degree}
+        if ep.preset:
+            expert["preset_model"] = ep.preset
+        out["expert_parallel"] = expert
+    return out
+
+
 def deepspeed_config(
     strategy: Strategy,
     layout: BatchLayout,
@@ -113,12 +157,14 @@ def deepspeed_config(
     load_universal: bool = False,
     pin_memory: bool = False,
     largest_block: int = 0,
+    tp_plan: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """The DeepSpeed config dict for `strategy` with this batch layout.
 
     `num_params`/`largest_param` size the "auto" ZeRO settings; `load_universal` reads a
     checkpoint converted for another world size; `pin_memory` page-locks offloaded states (on a
-    GPU machine: faster copies to and from the device); `largest_block` sizes ZeRO-3's prefetch.
+    GPU machine: faster copies to and from the device); `largest_block` sizes ZeRO-3's prefetch;
+    `tp_plan` is the tensor-parallel plan of the model (`framework.strategy.TensorParallel`).
     """
     config: dict[str, Any] = {
         **_batch_keys(layout),
@@ -130,6 +176,7 @@ def deepspeed_config(
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
         **_precision(strategy),
+        **_model_parallel(strategy, tp_plan),
         # Always explicit: DeepSpeed 0.19 defaults to clipping at 1.0, which would silently change
         # every update whose gradient norm exceeds 1.
         "gradient_clipping": float(max(strategy.gradient_clip.max_norm, 0.0)),

@@ -178,7 +178,9 @@ def run_one(host: Host, batch: Any, mode: str, unpadded: int) -> dict[str, Any]:
         micros = data_lib.split_micro_batches(batch, runtime.layout.accumulation_steps)
         weights = None
         if call is None:  # the framework's step: the loss over the whole global batch's items
-            weights = step_weights(micros, host.loss, host.module, host.label_key, runtime.dp_size)
+            weights = step_weights(
+                micros, host.loss, host.module, host.label_key, runtime.mesh, runtime.strategy.sharding.stage
+            )
         losses = []
         for i, micro in enumerate(micros):
             weight = weights[i] if weights is not None else None

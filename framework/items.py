@@ -29,6 +29,7 @@ import torch
 
 from framework import device as dev
 from framework.outputs import is_model_loss, predicts_next_token, split
+from framework.plan import Mesh
 
 IGNORE_INDEX = -100
 
@@ -70,19 +71,21 @@ def counted_items(labels: Any, loss: Any, module: Any) -> torch.Tensor | None:
 
 
 def step_weights(
-    micro_batches: Sequence[Any], loss: Any, module: Any, label_key: str, dp_size: int
+    micro_batches: Sequence[Any], loss: Any, module: Any, label_key: str, mesh: Mesh, zero_stage: int = 0
 ) -> list[torch.Tensor] | None:
     """One weight per micro-batch of an optimizer step on this rank (see the module doc), or
-    None when the loss needs none. Collective over the data-parallel ranks: every rank calls it
-    once per optimizer step, with the same number of micro-batches."""
+    None when the loss needs none. Tensor-parallel ranks hold the same items (counted once).
+    Collective over all ranks: every rank calls it once per optimizer step, with the same
+    number of micro-batches."""
+    ranks, copies = mesh.dp_size, mesh.tp_size  # what DeepSpeed averages over; who holds an item
     counts = [counted_items(split(batch, label_key)[2], loss, module) for batch in micro_batches]
     if not counts or any(c is None for c in counts):
         return None
     local = torch.stack([c for c in counts if c is not None])
     total = local.sum().to(dev.collective_device())
-    if dp_size > 1:
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         torch.distributed.all_reduce(total)
-    total = total.to(local.device).clamp_min(1.0)
-    scale = dp_size * len(micro_batches) / total
+    total = (total.to(local.device) / copies).clamp_min(1.0)
+    scale = ranks * len(micro_batches) / total
     weights = local * scale if reduction_of(loss) == "mean" else scale.expand(len(micro_batches))
     return [w.to(torch.float32) for w in weights.unbind()]

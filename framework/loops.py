@@ -385,13 +385,14 @@ def _train_step_caller(host: Host, batches: data_lib.BatchIterator) -> Callable[
     if host.train_step_fn is not None:
         call = bind_step(host.train_step_fn)
         return lambda: call(host, batches)
-    acc = host.runtime.strategy.accumulation_steps
+    rt = host.runtime
+    acc, stage = rt.strategy.accumulation_steps, rt.strategy.sharding.stage
     weights: list[Any] = []
 
     def default_step() -> Any:
         if not weights:  # an optimizer step begins: count the items of its global batch
             group = batches.peek_many(acc)
-            found = step_weights(group, host.loss, host.module, host.label_key, host.runtime.dp_size)
+            found = step_weights(group, host.loss, host.module, host.label_key, rt.mesh, stage)
             weights.extend(found or [None] * len(group))
         batch = next(batches)
         return default_train_step(host, batch, weights.pop(0))

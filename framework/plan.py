@@ -1,6 +1,7 @@
 """The run plan: every number of a training run, computed once, before anything is built.
 
-    mesh      world = data-parallel ranks x pipeline stages; this rank's coordinates
+    mesh      world = data-parallel x tensor-parallel x sequence-parallel ranks (x pipeline
+              stages); experts split inside the data-parallel ranks; this rank's coordinates
     layout    global batch = micro x accumulation x data-parallel ranks
     budget    micro-batches per epoch (whole optimizer steps only), optimizer steps per epoch
               and in total (epochs, data length, `steps_per_epoch`, `max_steps`)
@@ -29,33 +30,87 @@ BUDGET_PARAMETERS = ("total_steps", "num_training_steps")
 
 @dataclass(frozen=True)
 class Mesh:
-    """The ranks of a job: `world_size` = `dp_size` data-parallel replicas x `pipeline_stages`."""
+    """The ranks of a job: `world_size` = `dp_size` data-parallel replicas x `tp_size` tensor-
+    parallel x `sp_size` sequence-parallel ranks, or x `pipeline_stages` (the pipeline takes no
+    model parallelism). `ep_size` splits experts inside the data-parallel ranks.
+
+    Rank order follows DeepSpeed's groups: model-parallel ranks are neighbours (rank = dp_rank x
+    (tp x sp) + mp_rank); pipeline stages are the outer dimension (rank = stage x dp + dp_rank).
+    The ranks of one data-parallel replica see the same batch (TP), or slices of it (SP)."""
 
     world_size: int
     rank: int
     pipeline_stages: int = 1
+    tp_size: int = 1
+    sp_size: int = 1
+    ep_size: int = 1
+
+    @property
+    def mp_size(self) -> int:
+        """Model-parallel ranks per data-parallel replica (tensor x sequence parallel)."""
+        return self.tp_size * self.sp_size
 
     @property
     def dp_size(self) -> int:
         """Data-parallel degree: the replicas a global batch is split over."""
-        return self.world_size // self.pipeline_stages
+        return self.world_size // (self.pipeline_stages * self.mp_size)
 
     @property
     def dp_rank(self) -> int:
         """This rank's index among the data-parallel replicas."""
-        return self.rank % self.dp_size
+        if self.pipeline_stages > 1:
+            return self.rank % self.dp_size
+        return self.rank // self.mp_size
+
+    @property
+    def mp_rank(self) -> int:
+        """This rank's index inside its replica's tensor- or sequence-parallel group."""
+        return self.rank % self.mp_size if self.pipeline_stages == 1 else 0
+
+    @property
+    def sp_rank(self) -> int:
+        """Which slice of each sequence this rank holds (0 without sequence parallelism)."""
+        return self.mp_rank if self.sp_size > 1 else 0
+
+    def describe(self) -> str:
+        """One line: "4 ranks = 2 data-parallel x 2 tensor-parallel"."""
+        parts = [f"{self.dp_size} data-parallel"]
+        for name, size in (("tensor", self.tp_size), ("sequence", self.sp_size)):
+            if size > 1:
+                parts.append(f"{size} {name}-parallel")
+        if self.pipeline_stages > 1:
+            parts.append(f"{self.pipeline_stages} pipeline stages")
+        line = f"{self.world_size} rank(s) = {' x '.join(parts)}"
+        return line + (f"; experts over {self.ep_size} ranks" if self.ep_size > 1 else "")
 
 
 def mesh_of(strategy: Strategy, world_size: int, rank: int = 0) -> Mesh:
-    """The mesh of `world_size` processes under `strategy`, or a one-line error when the
-    pipeline's stages do not divide it. The one place the data-parallel degree is derived."""
+    """The mesh of `world_size` processes under `strategy`, or a one-line error when the degrees
+    do not divide it. The one place the data-parallel degree is derived."""
     stages = strategy.pipeline.stages
     if world_size % stages != 0:
         raise ConfigError(
             f"strategy.pipeline.stages={stages} does not divide the {world_size} processes; "
             f"use a process count that is a multiple of {stages} (e.g. trainer.devices={stages})"
         )
-    return Mesh(world_size, rank, stages)
+    tp, sp, ep = (
+        strategy.tensor_parallel.degree,
+        strategy.sequence_parallel.degree,
+        strategy.expert_parallel.degree,
+    )
+    mp = tp * sp
+    if world_size % mp:
+        name = "tensor_parallel" if tp > 1 else "sequence_parallel"
+        raise ConfigError(
+            f"strategy.{name}.degree={mp} does not divide the {world_size} processes; use a process count "
+            f"that is a multiple of {mp} (e.g. trainer.devices={mp})"
+        )
+    if ep > 1 and world_size % ep:
+        raise ConfigError(
+            f"strategy.expert_parallel.degree={ep} does not divide the {world_size} processes; "
+            f"use a process count that is a multiple of {ep} (e.g. trainer.devices={ep})"
+        )
+    return Mesh(world_size, rank, stages, tp, sp, ep)
 
 
 @dataclass(frozen=True)

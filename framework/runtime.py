@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from framework import device as dev
+from framework import parallel, watchdog, weights, zero3_trace
 from framework import pipeline as pipeline_lib
 from framework import recompute as recompute_lib
-from framework import watchdog, weights, zero3_trace
 from framework.allocator import tune_host_allocator
 from framework.cost import largest_block, param_counts
 from framework.ds_config import deepspeed_config, zero_init_config
@@ -98,17 +98,16 @@ class Runtime:
         lambda self: self.layout is not None and not self._provisional, doc="A training call fixed it."
     )
 
-    def pipeline_eval_layout(self, global_batch_size: int) -> BatchLayout:
-        """How a pipeline splits an evaluation batch: into the same number of micro-batches as
-        training (the pipeline engine's schedule), each data-parallel rank its share."""
-        return batch_layout(self.strategy, global_batch_size, self.world_size)
-
     def layout_for_init(self) -> BatchLayout:
         """The layout to build DeepSpeed's configs with now (the fixed one, or a provisional one)."""
         if self.layout is None:
             smallest = self.dp_size * self.strategy.accumulation_steps
             self.layout, self._provisional = batch_layout(self.strategy, smallest, self.world_size), True
         return self.layout
+
+    def pipeline_eval_layout(self, global_batch_size: int) -> BatchLayout:
+        """A pipeline's evaluation batch: as many micro-batches as training, each rank its share."""
+        return batch_layout(self.strategy, global_batch_size, self.world_size)
 
     # ------------------------------------------------------------------ building
     def init_context(self) -> contextlib.AbstractContextManager:
@@ -131,7 +130,8 @@ class Runtime:
     def deepspeed_config_for(self, module: nn.Module) -> dict[str, Any]:
         """The config `initialize` gives DeepSpeed for `module` (what `+dry_run=true` prints)."""
         sizes = (*param_counts(module), self.load_universal, dev.cuda_available(), largest_block(module))
-        return deepspeed_config(self.strategy, self.layout_for_init(), *sizes)
+        plan = parallel.tp_plan_of(self.strategy, module)
+        return deepspeed_config(self.strategy, self.layout_for_init(), *sizes, tp_plan=plan)
 
     def initialize(
         self, module: nn.Module, optimizer: Any = None, loss_fn: Callable[..., torch.Tensor] | None = None
@@ -143,6 +143,7 @@ class Runtime:
 
         self.start()
         dev.quiet_deepspeed()
+        parallel.check_model(self.strategy, self.mesh, module)
         self.module = module
         self.config = self.deepspeed_config_for(module)
         optimizer = offload_optimizer(self.strategy, optimizer)
@@ -170,6 +171,7 @@ class Runtime:
                 optimizer=optimizer,
                 model_parameters=trainable if optimizer is None or callable(optimizer) else None,
                 config=self.config,
+                mpu=parallel.process_groups(self.mesh),
             )
         if self._is_zero3():
             zero3_trace.keep_release_plans_fresh(module, self.deepspeed_engine)
@@ -295,7 +297,7 @@ class Runtime:
         return int(self.deepspeed_engine.global_steps) if self.deepspeed_engine is not None else 0
 
     micro_steps = property(
-        lambda self: int(getattr(self.deepspeed_engine, "micro_steps", 0)), doc="Backward passes."
+        lambda self: int(getattr(self.deepspeed_engine, "micro_steps", 0)), doc="Backwards."
     )
 
     @property

@@ -79,6 +79,43 @@ class GradientClip:
     max_norm: float = 0.0
 
 
+@dataclass
+class TensorParallel:
+    """Tensor (model) parallelism on DeepSpeed's AutoTP: each linear layer's weight split over
+    `degree` ranks, which see the same batch.
+
+    Which layers split, and how, comes from `plan` when given, else from the model: its own
+    `tensor_parallel_plan` (the framework's GPT has one), a Hugging Face model's `tp_plan`, or
+    DeepSpeed's `preset` ("llama", "qwen2", "mixtral", ...). A plan maps module names (`*`
+    matches one name part, as in `blocks.*.mlp.0`) to "column" (output features split), "row"
+    (input features split; outputs summed over the ranks), "replicate", or "column:K" for a fused
+    projection of K equal parts (q, k, v in one linear is "column:3").
+    """
+
+    degree: int = 1
+    plan: dict[str, str] | None = None
+    preset: str | None = None
+
+
+@dataclass
+class SequenceParallel:
+    """Sequence parallelism (DeepSpeed's Ulysses / ALST) for Hugging Face attention: each of
+    `degree` ranks holds a slice of every sequence; attention exchanges heads for sequence with
+    all-to-alls. The framework slices the batches and owns the loss reduction."""
+
+    degree: int = 1
+
+
+@dataclass
+class ExpertParallel:
+    """Expert parallelism on DeepSpeed's AutoEP: a mixture-of-experts layer's experts split over
+    `degree` data-parallel ranks (tokens travel to their experts by all-to-all). `preset` names
+    the MoE layout ("mixtral", "qwen3_moe", ...); None detects it from the model."""
+
+    degree: int = 1
+    preset: str | None = None
+
+
 _SECTIONS: dict[str, type] = {
     "sharding": Sharding,
     "gradient_merge": GradientMerge,
@@ -86,6 +123,9 @@ _SECTIONS: dict[str, type] = {
     "recompute": Recompute,
     "pipeline": Pipeline,
     "gradient_clip": GradientClip,
+    "tensor_parallel": TensorParallel,
+    "sequence_parallel": SequenceParallel,
+    "expert_parallel": ExpertParallel,
 }
 
 
@@ -103,6 +143,9 @@ class Strategy:
     recompute: Recompute = field(default_factory=Recompute)
     pipeline: Pipeline = field(default_factory=Pipeline)
     gradient_clip: GradientClip = field(default_factory=GradientClip)
+    tensor_parallel: TensorParallel = field(default_factory=TensorParallel)
+    sequence_parallel: SequenceParallel = field(default_factory=SequenceParallel)
+    expert_parallel: ExpertParallel = field(default_factory=ExpertParallel)
     compile: bool = False  # also run the module through torch.compile
     deepspeed: dict[str, Any] = field(default_factory=dict)
 
@@ -159,6 +202,12 @@ class Strategy:
             parts.append(f"accumulate {self.gradient_merge.k_steps}")
         if self.recompute.enable:
             parts.append("recompute")
+        degrees = (
+            ("TP", self.tensor_parallel.degree),
+            ("SP", self.sequence_parallel.degree),
+            ("EP", self.expert_parallel.degree),
+        )
+        parts.extend(f"{name} {degree}" for name, degree in degrees if degree > 1)
         return " | ".join(parts)
 
     def for_host_only(self) -> Strategy:
@@ -179,6 +228,11 @@ class Strategy:
     def uses_pipeline(self) -> bool:
         """True when the model runs on DeepSpeed's pipeline engine."""
         return self.pipeline.stages > 1
+
+    @property
+    def model_parallel_degree(self) -> int:
+        """Ranks that share one data-parallel replica's batch: tensor x sequence parallel."""
+        return self.tensor_parallel.degree * self.sequence_parallel.degree
 
     @property
     def accumulation_steps(self) -> int:
@@ -221,11 +275,60 @@ class Strategy:
                 f"{s.stage}: DeepSpeed's pipeline engine supports ZeRO 0 and 1 only; use +strategy=pipeline "
                 "(stage 0) or strategy.sharding.stage=1"
             )
+        self._validate_degrees()
         if self.uses_pipeline and self.gradient_merge.k_steps != 1:
             raise ConfigError(
                 "with a pipeline, accumulate with strategy.pipeline.accumulate_steps, "
                 "not strategy.gradient_merge.k_steps"
             )
+
+    def _validate_degrees(self) -> None:
+        tp, sp, ep = self.tensor_parallel, self.sequence_parallel, self.expert_parallel
+        for name, degree in (
+            ("tensor_parallel", tp.degree),
+            ("sequence_parallel", sp.degree),
+            ("expert_parallel", ep.degree),
+        ):
+            if not isinstance(degree, int) or degree < 1:
+                raise ConfigError(f"strategy.{name}.degree={degree!r} must be a whole number >= 1")
+        parallel = [
+            n for n, d in (("tensor", tp.degree), ("sequence", sp.degree), ("expert", ep.degree)) if d > 1
+        ]
+        if self.uses_pipeline and parallel:
+            raise ConfigError(
+                f"{' and '.join(parallel)} parallelism cannot run with the pipeline "
+                f"(strategy.pipeline.stages={self.pipeline.stages}): DeepSpeed's pipeline engine takes neither "
+                "AutoTP, Ulysses nor AutoEP; use one of them or the pipeline"
+            )
+        if tp.degree > 1 and sp.degree > 1:
+            raise ConfigError(
+                "tensor and sequence parallelism together are not supported (DeepSpeed 0.19's AutoTP and "
+                "Ulysses build separate groups); use strategy.tensor_parallel.degree or sequence_parallel.degree"
+            )
+        if sp.degree > 1 and ep.degree > 1:
+            raise ConfigError(
+                "sequence and expert parallelism together are not supported by DeepSpeed 0.19's AutoEP; "
+                "use one of them"
+            )
+        for pattern, style in (tp.plan or {}).items():
+            parse_tp_style(f"strategy.tensor_parallel.plan[{pattern!r}]", style)
+
+
+TP_STYLES = ("column", "row", "replicate")
+
+
+def parse_tp_style(where: str, style: str) -> tuple[str, int]:
+    """A tensor-parallel plan's style as (kind, fused parts): "column" -> ("column", 1),
+    "column:3" -> ("column", 3); a one-line error for anything else."""
+    kind, _, parts = str(style).partition(":")
+    kind = {"colwise": "column", "rowwise": "row"}.get(kind, kind)  # Hugging Face's spelling
+    ok = kind in TP_STYLES and (not parts or (parts.isdigit() and int(parts) >= 1 and kind == "column"))
+    if not ok:
+        raise ConfigError(
+            f"{where}={style!r} is not a tensor-parallel style; use column, row, replicate, or column:K "
+            "for a fused projection of K equal parts (e.g. column:3 for q, k, v in one linear)"
+        )
+    return kind, int(parts or 1)
 
 
 def _section_from_dict(name: str, cls: type, data: dict[str, Any]) -> Any:

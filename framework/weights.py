@@ -7,8 +7,10 @@ only unless every rank asks for it.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,17 +54,43 @@ def consolidate(
         fp32 = [m if m is not None else (masters or {}).get(id(p)) for p, m in zip(own, fp32)]
         gather = [p for p, m in zip(own, fp32) if m is None]
         with deepspeed.zero.GatheredParameters(gather, modifier_rank=None, enabled=zero3 and bool(gather)):
-            for p, m in zip(own, fp32):
-                keys = keys_of.pop(id(p))
-                if keep:
-                    value = (m if m is not None else p).detach()
-                    out.update({key: value.cpu().clone() for key in keys})
+            with _whole_tensor_parallel(sub, own, fp32) as values:
+                for p, value in zip(own, values):
+                    keys = keys_of.pop(id(p))
+                    if keep:
+                        out.update({key: value.detach().cpu().clone() for key in keys})
     if not keep:
         return {}
     for remaining in keys_of.values():  # buffers (never partitioned)
         for key in remaining:
             out[key] = entries[key].detach().cpu().clone()
     return {key: out[key] for key in entries}
+
+
+@contextlib.contextmanager
+def _whole_tensor_parallel(
+    module: nn.Module, params: list[torch.Tensor], masters: list[torch.Tensor | None]
+) -> Iterator[list[torch.Tensor]]:
+    """The values of `module`'s own `params` (their fp32 masters where given), whole: a layer
+    that tensor parallelism split (DeepSpeed's AutoTP) is gathered over its ranks for the
+    duration, its masters gathered with it (swapped in, as the layer knows its own split; a
+    fused q/k/v is interleaved), then split again. Collective for such a layer."""
+    from deepspeed.module_inject.layers import GatherReplacedLayerParams
+
+    split = [p for p in params if getattr(p, "ds_is_replaced_module", False)]
+    if not split:
+        yield [m if m is not None else p for p, m in zip(params, masters)]
+        return
+    kept = [p.data for p in params]
+    for p, m in zip(params, masters):
+        if m is not None:
+            p.data = m.view(p.shape) if m.numel() == p.numel() else m
+    try:
+        with GatherReplacedLayerParams(params, module, enabled=True):
+            yield [p.data for p in params]
+    finally:
+        for p, data in zip(params, kept):
+            p.data = data
 
 
 def fp32_masters(optimizer: Any) -> dict[int, torch.Tensor]:

@@ -173,7 +173,7 @@ def test_layout_invariance_on_two_ranks(tmp_path):
     run = run_cmd([*torchrun(2), script, str(tmp_path)], timeout=280)
     assert run.returncode == 0, run.stderr[-3000:]
     for rank in range(2):
-        errors = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        errors = json.loads((tmp_path / f"rank{rank}.json").read_text())["errors"]
         assert len(errors) == 2 * 4 * 3 * 2
         bad = {case: e for case, e in errors.items() if max(e) > 1e-5}
         assert not bad, bad
@@ -186,9 +186,10 @@ def test_counted_items_follow_the_loss():
     assert counted_items(labels, torch.nn.MSELoss(), None) is None  # a mean over samples: no weight
     assert counted_items(labels, ModelLoss(), torch.nn.Linear(1, 1)).item() == 3  # not a causal LM: unshifted
     summed = torch.nn.CrossEntropyLoss(reduction="sum")
-    weights = step_weights([(None, labels[:1]), (None, labels[1:])], summed, None, "labels", 1)
+    one = Mesh(world_size=1, rank=0)
+    weights = step_weights([(None, labels[:1]), (None, labels[1:])], summed, None, "labels", one)
     assert [w.item() for w in weights] == pytest.approx([2 / 3, 2 / 3])  # ranks x accumulation / items
-    mean = step_weights([(None, labels[:1]), (None, labels[1:])], LMLoss(), None, "labels", 1)
+    mean = step_weights([(None, labels[:1]), (None, labels[1:])], LMLoss(), None, "labels", one)
     assert [w.item() for w in mean] == pytest.approx([4 / 3, 2 / 3])
 
 

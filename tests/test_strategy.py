@@ -42,8 +42,26 @@ def _from_file(name: str) -> Strategy:
     return Strategy.from_config(node)
 
 
+MODEL_PARALLEL = {  # file -> the DeepSpeed sections its degree must turn into
+    "tp2": {"tensor_parallel": {"autotp_size": 2}},
+    "sp2": {"sequence_parallel_size": 2},
+    "ep2": {"expert_parallel": {"enabled": True, "autoep_size": 2}},
+}
+
+
 def test_every_strategy_file_is_covered():
-    assert set(EXPECTED) | {"pipeline"} == set(STRATEGY_FILES)
+    assert set(EXPECTED) | set(MODEL_PARALLEL) | {"pipeline"} == set(STRATEGY_FILES)
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_PARALLEL))
+def test_model_parallel_files_to_deepspeed_config(name):
+    """On 4 processes a degree of 2 leaves 2 data-parallel ranks: the batch triple counts those."""
+    ds = config_for(_from_file(name), global_batch_size=8, world_size=4)
+    for key, value in MODEL_PARALLEL[name].items():
+        assert ds[key] == value
+    expected_micro = 2 if name == "ep2" else 4  # experts split inside the data-parallel ranks
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"]) == (8, expected_micro)
+    assert ds["zero_optimization"]["stage"] == 1
 
 
 def test_pipeline_file_to_deepspeed_config():

@@ -60,18 +60,31 @@ class Block(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (B, T, C) -> (B, T, C)."""
+        """x: (B, T, C) -> (B, T, C). Under tensor parallelism `qkv` yields this rank's heads only
+        (a column split of 3 parts), and `proj` sums the ranks' outputs (a row split)."""
         b, t, c = x.shape
-        q, k, v = self.qkv(self.ln_1(x)).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        head_dim = c // self.n_head
+        q, k, v = self.qkv(self.ln_1(x)).chunk(3, dim=2)
+        q, k, v = (z.view(b, t, -1, head_dim).transpose(1, 2) for z in (q, k, v))
         drop = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop)
-        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(b, t, c)))
+        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(b, t, -1)))
         return x + self.drop(self.mlp(self.ln_2(x)))
 
 
 class GPT(nn.Module):
-    """Decoder-only transformer over `vocab_size` tokens with context `block_size`."""
+    """Decoder-only transformer over `vocab_size` tokens with context `block_size`.
+
+    `tensor_parallel_plan` says how its linears split under tensor parallelism (Megatron's
+    layout: heads and the MLP's hidden units split, one all-reduce after attention and one after
+    the MLP; the tied embedding / head stays whole). See `framework.strategy.TensorParallel`."""
+
+    tensor_parallel_plan = {
+        "blocks.*.qkv": "column:3",
+        "blocks.*.proj": "row",
+        "blocks.*.mlp.0": "column",
+        "blocks.*.mlp.2": "row",
+    }
 
     def __init__(
         self,
@@ -84,6 +97,7 @@ class GPT(nn.Module):
     ):
         super().__init__()
         self.vocab_size, self.block_size, self.n_embd, self.n_layer = vocab_size, block_size, n_embd, n_layer
+        self.n_head = n_head
         self.wte = TokenEmbedding(vocab_size, n_embd)
         self.pos = PositionEmbedding(block_size, n_embd, dropout)
         self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))

@@ -4,7 +4,12 @@ accumulation steps, must give the weights of plain torch on the whole batch (the
 over counted tokens / their number), and log that loss. Models: the framework's GPT with
 `loss=lm`, and a tiny Hugging Face Llama with `loss=model`.
 
-Writes OUT_DIR/rank<R>.json: {"<model> <path> zero<S> acc<A>": [max weight error, loss error]}.
+Usage: layout_invariance.py OUT_DIR [MODELS] [PARALLEL] [STAGES] [ACCUMULATIONS] [PATHS], e.g.
+`out gpt,llama tp2 0,3 1,2 fit`: PARALLEL is `dp` (the default), `tp<N>` or `sp<N>` (that
+degree of tensor or sequence parallelism; the rest of the ranks data-parallel).
+
+Writes OUT_DIR/rank<R>.json: {"errors": {"<model> <parallel> <path> zero<S> acc<A>": [max weight
+error, loss error]}, "shares": {case: this rank's parameter elements / the whole model's}}.
 """
 
 import copy
@@ -19,7 +24,20 @@ import torch.nn.functional as F
 from framework import Callback, Engine, Strategy, device
 from framework.models import GPT, LMLoss
 
-out_dir, which = Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "gpt,llama"
+
+def arg(i, default):
+    return sys.argv[i] if len(sys.argv) > i else default
+
+
+out_dir, which, parallel = Path(sys.argv[1]), arg(2, "gpt,llama"), arg(3, "dp")
+stages = [int(x) for x in arg(4, "0,1,2,3").split(",")]
+accumulations = [int(x) for x in arg(5, "1,2,4").split(",")]
+paths = arg(6, "fit,run").split(",")
+degrees = {}
+if parallel.startswith("tp"):
+    degrees["tensor_parallel"] = {"degree": int(parallel[2:])}
+elif parallel.startswith("sp"):
+    degrees["sequence_parallel"] = {"degree": int(parallel[2:])}
 GLOBAL, T, V, LR = 8, 16, 64, 0.5
 torch.manual_seed(0)
 tokens = torch.randint(0, V, (GLOBAL, T))
@@ -69,7 +87,7 @@ class FirstLoss(Callback):
 
 device.init_process_group(timeout_s=120)  # one group for every engine below
 rank, world = device.rank(), device.world_size()
-errors = {}
+errors, shares = {}, {}  # shares: this rank's parameter elements / the model's
 for name in which.split(","):
     model, loss, reference_loss, data = {"gpt": gpt_case, "llama": llama_case}[name]()
     reference = copy.deepcopy(model)
@@ -77,12 +95,12 @@ for name in which.split(","):
     ref_loss.backward()
     torch.optim.SGD(reference.parameters(), lr=LR).step()
     expected = reference.state_dict()
-    for stage in (0, 1, 2, 3):
-        for acc in (1, 2, 4):
-            for path in ("fit", "run"):
+    for stage in stages:
+        for acc in accumulations:
+            for path in paths:
                 engine = Engine(
                     copy.deepcopy(model), loss, functools.partial(torch.optim.SGD, lr=LR),
-                    strategy=Strategy(sharding={"stage": stage}, gradient_merge={"k_steps": acc}),
+                    strategy=Strategy(sharding={"stage": stage}, gradient_merge={"k_steps": acc}, **degrees),
                 )  # fmt: skip
                 if path == "fit":
                     first = FirstLoss()
@@ -93,8 +111,15 @@ for name in which.split(","):
                 else:
                     loader = engine.dataloader(data, batch_size=GLOBAL, mode="train")
                     logged = device.all_reduce_mean(engine.run(next(iter(loader)))["loss"])
+                local = sum(p.numel() for p in engine.module.parameters() if p.numel())
                 state = engine.runtime.full_state_dict(on_every_rank=True)
+                shares[f"{name} {parallel} {path} zero{stage} acc{acc}"] = local / sum(
+                    v.numel() for k, v in state.items() if k in dict(engine.module.named_parameters())
+                )
                 weight_error = max((state[k].float() - v).abs().max().item() for k, v in expected.items())
-                errors[f"{name} {path} zero{stage} acc{acc}"] = [weight_error, abs(logged - ref_loss.item())]
+                errors[f"{name} {parallel} {path} zero{stage} acc{acc}"] = [
+                    weight_error,
+                    abs(logged - ref_loss.item()),
+                ]
 device.destroy_process_group()
-(out_dir / f"rank{rank}.json").write_text(json.dumps(errors))
+(out_dir / f"rank{rank}.json").write_text(json.dumps({"errors": errors, "shares": shares}))

@@ -1,0 +1,92 @@
+"""Tensor, sequence and expert parallelism: what a model must satisfy, and its tensor-parallel plan.
+
+The degrees live in the `Strategy`, the mesh of ranks in `framework.plan`; DeepSpeed's AutoTP,
+Ulysses and AutoEP do the splitting (their JSON keys in `framework.ds_config`). This module reads
+the model: the head and expert counts a degree must divide (checked before DeepSpeed is built, a
+one-line error instead of a shape error deep in a forward), and which plan splits its linears.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from framework.errors import ConfigError
+from framework.plan import Mesh
+from framework.strategy import Strategy
+from framework.weights import is_hf_model
+
+# Where a model states its head and expert counts: Hugging Face config names, then ours.
+_HEADS = ("num_attention_heads", "n_head", "num_heads")
+_KV_HEADS = ("num_key_value_heads",)
+_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def _config_value(module: nn.Module, names: tuple[str, ...]) -> int | None:
+    config = getattr(module, "config", None)
+    config = getattr(config, "text_config", None) or config
+    for source in (config, module):
+        for name in names:
+            value = getattr(source, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
+def tp_plan_of(strategy: Strategy, module: nn.Module) -> dict[str, str] | None:
+    """The tensor-parallel plan for `module`: the strategy's, else the model's own
+    `tensor_parallel_plan`; None leaves the choice to DeepSpeed (a Hugging Face model's
+    `tp_plan`, or the strategy's preset)."""
+    tp = strategy.tensor_parallel
+    if tp.degree <= 1:
+        return None
+    if tp.plan:
+        return dict(tp.plan)
+    own = getattr(module, "tensor_parallel_plan", None)
+    if own:
+        return dict(own)
+    if tp.preset or is_hf_model(module):
+        return None
+    raise ConfigError(
+        f"strategy.tensor_parallel.degree={tp.degree}: {type(module).__name__} says nothing of how its linears "
+        "split; give strategy.tensor_parallel.plan (module name -> column / row / replicate), a "
+        "`tensor_parallel_plan` attribute on the model, or strategy.tensor_parallel.preset"
+    )
+
+
+def check_model(strategy: Strategy, mesh: Mesh, module: nn.Module) -> None:
+    """One-line errors for degrees the model cannot take (heads, key-value heads, experts)."""
+    heads = _config_value(module, _HEADS)
+    kv = _config_value(module, _KV_HEADS) or heads
+    for name, degree in (("tensor_parallel", mesh.tp_size), ("sequence_parallel", mesh.sp_size)):
+        if degree <= 1:
+            continue
+        for what, count in (("attention heads", heads), ("key-value heads", kv)):
+            if count is not None and count % degree:
+                raise ConfigError(
+                    f"strategy.{name}.degree={degree} does not divide the model's {count} {what}; "
+                    f"use a degree that divides {count}"
+                )
+    if mesh.ep_size > 1:
+        experts = _config_value(module, _EXPERTS)
+        if experts is None:
+            raise ConfigError(
+                f"strategy.expert_parallel.degree={mesh.ep_size}: {type(module).__name__} has no mixture-of-experts "
+                "layers that DeepSpeed's AutoEP knows (a Hugging Face MoE model such as Mixtral or Qwen3-MoE)"
+            )
+        if experts % mesh.ep_size:
+            raise ConfigError(
+                f"strategy.expert_parallel.degree={mesh.ep_size} does not divide the model's {experts} experts; "
+                f"use a degree that divides {experts}"
+            )
+
+
+def process_groups(mesh: Mesh) -> object | None:
+    """What DeepSpeed's `initialize` takes as `mpu` for this mesh: DeepSpeed's own groups module,
+    with its tensor-parallel mesh made first, so DeepSpeed's batch check counts data-parallel
+    ranks, not processes (AutoTP would make the same mesh only later, inside the engine)."""
+    if mesh.tp_size <= 1:
+        return None
+    from deepspeed.utils import groups
+
+    groups._init_tp_mesh_device(tensor_model_parallel_size=mesh.tp_size)
+    return groups
