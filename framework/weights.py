@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import pickle
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +69,7 @@ def consolidate(
 
 @contextlib.contextmanager
 def _whole_tensor_parallel(
-    module: nn.Module, params: list[torch.Tensor], masters: list[torch.Tensor | None]
+    module: nn.Module, params: Sequence[torch.Tensor], masters: Sequence[torch.Tensor | None]
 ) -> Iterator[list[torch.Tensor]]:
     """The values of `module`'s own `params` (their fp32 masters where given), whole: a layer
     that tensor parallelism split (DeepSpeed's AutoTP) is gathered over its ranks for the
