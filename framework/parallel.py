@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from framework import expert_parallel
 from framework.errors import ConfigError
 from framework.plan import Mesh
 from framework.strategy import Strategy
@@ -78,6 +79,7 @@ def check_model(strategy: Strategy, mesh: Mesh, module: nn.Module) -> None:
                 f"strategy.expert_parallel.degree={mesh.ep_size} does not divide the model's {experts} experts; "
                 f"use a degree that divides {experts}"
             )
+        expert_parallel.check_transformers()
 
 
 def process_groups(mesh: Mesh) -> object | None:

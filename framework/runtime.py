@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from framework import device as dev
-from framework import parallel, watchdog, weights, zero3_trace
+from framework import expert_parallel, parallel, watchdog, weights, zero3_trace
 from framework import pipeline as pipeline_lib
 from framework import recompute as recompute_lib
 from framework.allocator import tune_host_allocator
@@ -147,6 +147,7 @@ class Runtime:
         self.module = module
         self.config = self.deepspeed_config_for(module)
         optimizer = offload_optimizer(self.strategy, optimizer)
+        optimizer = expert_parallel.optimizer_with_expert_groups(self.mesh.ep_size, optimizer)
         if self.strategy.recompute.enable and not self.strategy.uses_pipeline:
             recompute_lib.enable(module)
         if self.strategy.compile:

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from framework import device as dev
+from framework import expert_parallel, watchdog
 from framework import pipeline as pipeline_lib
-from framework import watchdog
 from framework.errors import CheckpointError
 
 
@@ -35,7 +35,8 @@ def consolidate(
     Collective. `pipe`: the pipeline module whose stages hold the weights. `master`: take each
     parameter from the optimizer's fp32 master copy where DeepSpeed keeps one (mixed precision,
     ZeRO >= 1), so an export under bf16 is not rounded to bf16; `masters` ({id(param): fp32
-    tensor}) gives them where DeepSpeed offers no accessor (ZeRO-0 under mixed precision)."""
+    tensor}) gives them where DeepSpeed offers no accessor (ZeRO-0 under mixed precision).
+    Experts split by expert parallelism come back whole, under the model's own names."""
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param
 
@@ -48,6 +49,7 @@ def consolidate(
     for key, value in entries.items():
         keys_of.setdefault(id(value), []).append(key)
     out: dict[str, torch.Tensor] = {}
+    experts = expert_parallel.expert_layers(module)
     for sub in module.modules():
         own = [p for p in sub.parameters(recurse=False) if id(p) in keys_of]
         fp32 = [safe_get_full_fp32_param(p) if master else None for p in own]  # collective under ZeRO-3
@@ -55,6 +57,7 @@ def consolidate(
         gather = [p for p, m in zip(own, fp32) if m is None]
         with deepspeed.zero.GatheredParameters(gather, modifier_rank=None, enabled=zero3 and bool(gather)):
             with _whole_tensor_parallel(sub, own, fp32) as values:
+                values = expert_parallel.whole_experts(experts.get(id(sub)), values)
                 for p, value in zip(own, values):
                     keys = keys_of.pop(id(p))
                     if keep:
@@ -64,7 +67,7 @@ def consolidate(
     for remaining in keys_of.values():  # buffers (never partitioned)
         for key in remaining:
             out[key] = entries[key].detach().cpu().clone()
-    return {key: out[key] for key in entries}
+    return expert_parallel.source_layout(module, {key: out[key] for key in entries})
 
 
 @contextlib.contextmanager

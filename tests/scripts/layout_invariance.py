@@ -6,7 +6,8 @@ over counted tokens / their number), and log that loss. Models: the framework's 
 
 Usage: layout_invariance.py OUT_DIR [MODELS] [PARALLEL] [STAGES] [ACCUMULATIONS] [PATHS], e.g.
 `out gpt,llama tp2 0,3 1,2 fit`: PARALLEL is `dp` (the default), `tp<N>` or `sp<N>` (that
-degree of tensor or sequence parallelism; the rest of the ranks data-parallel).
+degree of tensor or sequence parallelism; the rest of the ranks data-parallel), or `ep<N>` (experts
+split over N data-parallel ranks; model `mixtral`, a tiny Hugging Face Mixtral with 4 experts, top 2).
 
 Writes OUT_DIR/rank<R>.json: {"errors": {"<model> <parallel> <path> zero<S> acc<A>": [max weight
 error, loss error]}, "shares": {case: this rank's parameter elements / the whole model's}}.
@@ -38,6 +39,8 @@ if parallel.startswith("tp"):
     degrees["tensor_parallel"] = {"degree": int(parallel[2:])}
 elif parallel.startswith("sp"):
     degrees["sequence_parallel"] = {"degree": int(parallel[2:])}
+elif parallel.startswith("ep"):
+    degrees["expert_parallel"] = {"degree": int(parallel[2:])}
 GLOBAL, T, V, LR = 8, 16, 64, 0.5
 torch.manual_seed(0)
 tokens = torch.randint(0, V, (GLOBAL, T))
@@ -57,14 +60,8 @@ def gpt_case():
     return model, LMLoss(), reference_loss, data
 
 
-def llama_case():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=T,
-    )  # fmt: skip
-    model = LlamaForCausalLM(cfg)
+def hf_case(model):
+    """A Hugging Face causal LM with `loss=model`: batches are dicts, the model computes the loss."""
     mask = (labels != -100).long()
     mask[:, 0] = 1
 
@@ -73,6 +70,27 @@ def llama_case():
 
     data = [{"input_ids": tokens[i], "attention_mask": mask[i], "labels": labels[i]} for i in range(GLOBAL)]
     return model, "model", reference_loss, data
+
+
+def llama_case():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=T,
+    )  # fmt: skip
+    return hf_case(LlamaForCausalLM(cfg))
+
+
+def mixtral_case():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=T, num_local_experts=4, num_experts_per_tok=2,
+        router_aux_loss_coef=0.0,
+    )  # fmt: skip
+    return hf_case(MixtralForCausalLM(cfg))
 
 
 class FirstLoss(Callback):
@@ -88,8 +106,9 @@ class FirstLoss(Callback):
 device.init_process_group(timeout_s=120)  # one group for every engine below
 rank, world = device.rank(), device.world_size()
 errors, shares = {}, {}  # shares: this rank's parameter elements / the model's
+CASES = {"gpt": gpt_case, "llama": llama_case, "mixtral": mixtral_case}
 for name in which.split(","):
-    model, loss, reference_loss, data = {"gpt": gpt_case, "llama": llama_case}[name]()
+    model, loss, reference_loss, data = CASES[name]()
     reference = copy.deepcopy(model)
     ref_loss = reference_loss(reference)
     ref_loss.backward()
@@ -114,7 +133,7 @@ for name in which.split(","):
                 local = sum(p.numel() for p in engine.module.parameters() if p.numel())
                 state = engine.runtime.full_state_dict(on_every_rank=True)
                 shares[f"{name} {parallel} {path} zero{stage} acc{acc}"] = local / sum(
-                    v.numel() for k, v in state.items() if k in dict(engine.module.named_parameters())
+                    v.numel() for k, v in state.items() if k in dict(model.named_parameters())
                 )
                 weight_error = max((state[k].float() - v).abs().max().item() for k, v in expected.items())
                 errors[f"{name} {parallel} {path} zero{stage} acc{acc}"] = [

@@ -1,0 +1,133 @@
+"""Expert parallelism (DeepSpeed AutoEP): the dependency and model checks made before DeepSpeed is
+built, and one step of a Mixtral with its experts split over 2 ranks equal to plain torch.
+
+AutoEP runs only with transformers 5.0 to 5.22.2 (`framework.expert_parallel`). Where a newer one
+is installed, the 2-rank test installs 5.22.2 once into ~/.cache/hydraspeed-ep-env (pip --target,
+no dependencies: the installed huggingface_hub and tokenizers fit it) and puts it first on the
+workers' PYTHONPATH; it skips, saying why, only where the package index cannot be reached.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from framework import ConfigError
+from framework import expert_parallel as ep
+from framework.parallel import check_model
+from framework.plan import Mesh
+from framework.strategy import Strategy
+
+from .conftest import ROOT, run_cmd, subprocess_env, torchrun
+
+EP2 = Strategy(expert_parallel={"degree": 2})
+TWO_RANKS = Mesh(world_size=2, rank=0, ep_size=2)
+
+
+@pytest.mark.parametrize("version", ["5.0.0", "5.12.1", "5.22.2"])
+def test_transformers_releases_autoep_runs_with_pass(version):
+    ep.check_transformers(version)
+
+
+@pytest.mark.parametrize("version", ["5.23.0", "5.24.0", "6.0.0", "4.57.1"])
+def test_other_transformers_releases_are_refused_in_one_line(version):
+    with pytest.raises(ConfigError) as error:
+        ep.check_transformers(version)
+    message = str(error.value)
+    assert f"{version} is installed" in message and 'pip install "transformers>=5.0.0,<=5.22.2"' in message
+    assert "\n" not in message
+
+
+def mixtral(experts: int = 4) -> torch.nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=experts, num_experts_per_tok=2,
+    )  # fmt: skip
+    return MixtralForCausalLM(config)
+
+
+def test_model_check_reads_mixtral_experts_and_the_installed_transformers(monkeypatch):
+    four, three = mixtral(4), mixtral(3)
+    # By name: transformers' lazy module puts another object into sys.modules once a model is built.
+    monkeypatch.setattr("transformers.__version__", "5.22.2")
+    check_model(EP2, TWO_RANKS, four)  # 4 experts over 2 ranks
+    with pytest.raises(ConfigError, match="does not divide the model's 3 experts"):
+        check_model(EP2, TWO_RANKS, three)
+    with pytest.raises(ConfigError, match="no mixture-of-experts layers"):
+        check_model(EP2, TWO_RANKS, torch.nn.Linear(2, 2))
+    monkeypatch.setattr("transformers.__version__", "5.23.0")
+    with pytest.raises(ConfigError, match="5.23.0 is installed"):
+        check_model(EP2, TWO_RANKS, four)
+    check_model(Strategy(), Mesh(world_size=2, rank=0), four)  # no experts split: no demand
+
+
+def test_optimizer_is_a_factory_given_expert_groups():
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+    assert ep.optimizer_with_expert_groups(1, sgd) is sgd  # no expert parallelism: untouched
+    with pytest.raises(ConfigError, match="optimizer as a factory"):
+        ep.optimizer_with_expert_groups(2, sgd)
+    dense, expert = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+    expert.allreduce, expert.group_name = False, "ep_size_2"  # as AutoEP marks its experts
+    built = ep.optimizer_with_expert_groups(2, lambda groups: torch.optim.SGD(groups, lr=0.1))(
+        [dense, expert]
+    )
+    moe = [g for g in built.param_groups if g.get("moe")]
+    assert [g["params"] for g in moe] == [[expert]] and moe[0]["name"] == "ep_size_2"
+
+
+# ---------------------------------------------------------------------------------------- 2 ranks
+
+ENV_CACHE = Path.home() / ".cache" / "hydraspeed-ep-env"
+
+
+@pytest.fixture(scope="session")
+def autoep_pythonpath() -> str:
+    """A PYTHONPATH under which transformers is one AutoEP runs with: the installed one if it is,
+    else transformers 5.22.2 installed once into ~/.cache/hydraspeed-ep-env."""
+    import transformers
+
+    try:
+        ep.check_transformers(transformers.__version__)
+        return str(ROOT)
+    except ConfigError:
+        pass
+    target = ENV_CACHE / f"transformers-{ep.TRANSFORMERS_MAX}"
+    if not (target / "transformers").is_dir():
+        partial = target.with_name(target.name + f".partial-{os.getpid()}")
+        shutil.rmtree(partial, ignore_errors=True)
+        pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(partial)]
+        run = subprocess.run([*pip, f"transformers=={ep.TRANSFORMERS_MAX}"], capture_output=True, text=True)
+        if run.returncode != 0:
+            shutil.rmtree(partial, ignore_errors=True)
+            pytest.skip(
+                f"cannot install transformers {ep.TRANSFORMERS_MAX} for AutoEP: {run.stderr.strip()[-300:]}"
+            )
+        shutil.rmtree(target, ignore_errors=True)
+        partial.rename(target)  # whole or absent: a killed install is never taken for a complete one
+    return f"{target}{os.pathsep}{ROOT}"
+
+
+def test_expert_parallel_on_two_ranks_equals_one_process(tmp_path, autoep_pythonpath):
+    """A tiny Mixtral (4 experts, top 2) with its experts split over 2 ranks, ZeRO 0-3, accumulation
+    1 and 2, fit and run: one SGD step's whole weights (experts gathered back into the model's own
+    tensors) equal plain torch on the whole batch, and the logged loss is the global token mean."""
+    script = str(ROOT / "tests" / "scripts" / "layout_invariance.py")
+    env = subprocess_env(PYTHONPATH=autoep_pythonpath)
+    run = run_cmd(
+        [*torchrun(2), script, str(tmp_path), "mixtral", "ep2", "0,1,2,3", "1,2"], timeout=240, env=env
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    for rank in range(2):
+        errors = json.loads((tmp_path / f"rank{rank}.json").read_text())["errors"]
+        assert len(errors) == 4 * 2 * 2
+        bad = {case: e for case, e in errors.items() if max(e) > 1e-5}
+        assert not bad, bad
