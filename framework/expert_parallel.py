@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from framework.errors import ConfigError
+from framework.strategy import Strategy
 
 # The transformers releases AutoEP (DeepSpeed 0.19) runs with, found by running it: 5.0 brought
 # the fused expert tensors its presets read (Mixtral, Qwen3-MoE, DeepSeek; a few presets need
@@ -52,18 +53,22 @@ def check_transformers(version: str | None = None) -> None:
         )
 
 
-def optimizer_with_expert_groups(ep_size: int, optimizer: Any) -> Any:
+def optimizer_with_expert_groups(strategy: Strategy, optimizer: Any) -> Any:
     """The optimizer factory DeepSpeed calls, given its parameters in DeepSpeed's MoE groups
     (ZeRO 1/2 reduce and partition the experts over their own data-parallel group, and refuse a
-    param group that does not say which one). An optimizer already built is refused in one line:
-    its groups were made before AutoEP replaced the experts."""
-    if ep_size <= 1 or optimizer is None:
+    param group that does not say which one). An optimizer already built has its groups from
+    before AutoEP replaced the experts: DeepSpeed moves the new experts into them, which ZeRO 0
+    and 3 train exactly, and ZeRO 1/2 refuse (said here in one line)."""
+    if strategy.expert_parallel.degree <= 1 or optimizer is None:
         return optimizer
-    if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
-        raise ConfigError(
-            "strategy.expert_parallel needs the optimizer as a factory of parameters, built after DeepSpeed "
-            "splits the experts: functools.partial(torch.optim.AdamW, lr=...), or the optimizer config group"
-        )
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if strategy.sharding.stage in (1, 2):
+            raise ConfigError(
+                f"strategy.expert_parallel with sharding.stage={strategy.sharding.stage} needs the optimizer as a "
+                "factory of parameters, built after DeepSpeed splits the experts: "
+                "functools.partial(torch.optim.AdamW, lr=...), or the optimizer config group"
+            )
+        return optimizer
     from deepspeed.moe.utils import configure_moe_param_groups
 
     return lambda params: optimizer(configure_moe_param_groups(list(params)))

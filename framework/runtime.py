@@ -147,7 +147,7 @@ class Runtime:
         self.module = module
         self.config = self.deepspeed_config_for(module)
         optimizer = offload_optimizer(self.strategy, optimizer)
-        optimizer = expert_parallel.optimizer_with_expert_groups(self.mesh.ep_size, optimizer)
+        optimizer = expert_parallel.optimizer_with_expert_groups(self.strategy, optimizer)
         if self.strategy.recompute.enable and not self.strategy.uses_pipeline:
             recompute_lib.enable(module)
         if self.strategy.compile:

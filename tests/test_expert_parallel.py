@@ -27,7 +27,8 @@ from framework.strategy import Strategy
 
 from .conftest import ROOT, run_cmd, subprocess_env, torchrun
 
-EP2 = Strategy(expert_parallel={"degree": 2})
+EP2_SECTION = {"expert_parallel": {"degree": 2}}
+EP2 = Strategy(**EP2_SECTION)
 TWO_RANKS = Mesh(world_size=2, rank=0, ep_size=2)
 
 
@@ -70,17 +71,17 @@ def test_model_check_reads_mixtral_experts_and_the_installed_transformers(monkey
     check_model(Strategy(), Mesh(world_size=2, rank=0), four)  # no experts split: no demand
 
 
-def test_optimizer_is_a_factory_given_expert_groups():
+def test_optimizer_factory_gets_expert_groups_and_a_built_one_is_refused_where_zero_cannot_take_it():
     sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
-    assert ep.optimizer_with_expert_groups(1, sgd) is sgd  # no expert parallelism: untouched
-    with pytest.raises(ConfigError, match="optimizer as a factory"):
-        ep.optimizer_with_expert_groups(2, sgd)
+    assert ep.optimizer_with_expert_groups(Strategy(), sgd) is sgd  # no expert parallelism: untouched
+    for stage in (0, 3):  # DeepSpeed moves the replaced experts into its groups: exact at ZeRO 0 and 3
+        assert ep.optimizer_with_expert_groups(Strategy(sharding={"stage": stage}, **EP2_SECTION), sgd) is sgd
+    with pytest.raises(ConfigError, match="sharding.stage=1 needs the optimizer as a factory"):
+        ep.optimizer_with_expert_groups(Strategy(sharding={"stage": 1}, **EP2_SECTION), sgd)
     dense, expert = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
     expert.allreduce, expert.group_name = False, "ep_size_2"  # as AutoEP marks its experts
-    built = ep.optimizer_with_expert_groups(2, lambda groups: torch.optim.SGD(groups, lr=0.1))(
-        [dense, expert]
-    )
-    moe = [g for g in built.param_groups if g.get("moe")]
+    factory = ep.optimizer_with_expert_groups(EP2, lambda groups: torch.optim.SGD(groups, lr=0.1))
+    moe = [g for g in factory([dense, expert]).param_groups if g.get("moe")]
     assert [g["params"] for g in moe] == [[expert]] and moe[0]["name"] == "ep_size_2"
 
 
