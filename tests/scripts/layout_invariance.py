@@ -2,12 +2,14 @@
 sequences, through `Engine.fit` and through the fine-grained `run`, for every ZeRO stage x
 accumulation steps, must give the weights of plain torch on the whole batch (the loss summed
 over counted tokens / their number), and log that loss. Models: the framework's GPT with
-`loss=lm`, and a tiny Hugging Face Llama with `loss=model`.
+`loss=lm`, and tiny Hugging Face Llama and Mixtral (4 experts, top 2) models with `loss=model`.
 
 Usage: layout_invariance.py OUT_DIR [MODELS] [PARALLEL] [STAGES] [ACCUMULATIONS] [PATHS], e.g.
 `out gpt,llama tp2 0,3 1,2 fit`: PARALLEL is `dp` (the default), `tp<N>` or `sp<N>` (that
-degree of tensor or sequence parallelism; the rest of the ranks data-parallel), or `ep<N>` (experts
-split over N data-parallel ranks; model `mixtral`, a tiny Hugging Face Mixtral with 4 experts, top 2).
+degree of tensor or sequence parallelism; the rest of the ranks data-parallel), or `ep<N>` (the
+experts split over N data-parallel ranks: model `mixtral`). PATHS: `fit`, `run`, and `export` (a
+`run` whose weights are taken as `Engine.save(training=False)` writes them and a fresh model loads
+them: `from_pretrained` for a Hugging Face model).
 
 Writes OUT_DIR/rank<R>.json: {"errors": {"<model> <parallel> <path> zero<S> acc<A>": [max weight
 error, loss error]}, "shares": {case: this rank's parameter elements / the whole model's}}.
@@ -93,6 +95,21 @@ def mixtral_case():
     return hf_case(MixtralForCausalLM(cfg))
 
 
+def exported(engine, model, out):
+    """The weights `Engine.save(training=False)` writes, as a fresh model loads them: a Hugging
+    Face model's `save_pretrained` directory through `from_pretrained`, else a safetensors file
+    through `load_state_dict(strict=True)`."""
+    from framework.weights import load_weights
+
+    hf = hasattr(model, "save_pretrained")
+    written = engine.save(str(out if hf else out.with_suffix(".safetensors")), training=False)
+    if hf:
+        return type(model).from_pretrained(written).state_dict()
+    fresh = copy.deepcopy(model)
+    fresh.load_state_dict(load_weights(written), strict=True)
+    return fresh.state_dict()
+
+
 class FirstLoss(Callback):
     """The loss logged at the first optimizer step (log_freq=1: reduced over ranks)."""
 
@@ -132,6 +149,8 @@ for name in which.split(","):
                     logged = device.all_reduce_mean(engine.run(next(iter(loader)))["loss"])
                 local = sum(p.numel() for p in engine.module.parameters() if p.numel())
                 state = engine.runtime.full_state_dict(on_every_rank=True)
+                if path == "export":
+                    state = exported(engine, model, out_dir / f"export-{name}-zero{stage}-acc{acc}")
                 shares[f"{name} {parallel} {path} zero{stage} acc{acc}"] = local / sum(
                     v.numel() for k, v in state.items() if k in dict(model.named_parameters())
                 )
