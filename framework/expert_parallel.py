@@ -16,7 +16,7 @@ share of the experts as grouped tensors `experts.w1` (gate), `experts.w3` (up) a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -72,6 +72,12 @@ def optimizer_with_expert_groups(strategy: Strategy, optimizer: Any) -> Any:
     from deepspeed.moe.utils import configure_moe_param_groups
 
     return lambda params: optimizer(configure_moe_param_groups(list(params)))
+
+
+def has_split_experts(parameter_names: Iterable[str]) -> bool:
+    """True for the parameter names of a model whose experts AutoEP split (its grouped
+    `experts.w1`): a checkpoint of it holds each rank's experts apart."""
+    return any(name.split(".")[-2:] == ["experts", "w1"] for name in parameter_names)
 
 
 def is_expert_layer(module: nn.Module) -> bool:

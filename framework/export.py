@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from framework import expert_parallel
 from framework.checkpoint import safety, store
 from framework.checkpoint.manager import HF_CONFIG, HF_PREFIX
 from framework.errors import CheckpointError, ConfigError
@@ -41,6 +42,12 @@ def fp32_state_dict(ckpt: str | Path) -> dict[str, torch.Tensor]:
         raise ConfigError(
             f"{path} is a pipeline checkpoint: export it from Python with Engine.save(path, training=False), "
             "which maps the stages back onto the model"
+        )
+    if expert_parallel.has_split_experts(meta.get("setup", {}).get("parameters", {})):
+        raise ConfigError(
+            f"{path} holds experts split over ranks (strategy.expert_parallel), which DeepSpeed's consolidation "
+            "does not join: export it from Python, on as many processes as trained it: Engine.load(CKPT), then "
+            "Engine.save(OUT, training=False)"
         )
     if int(meta["zero_stage"]) == 0:
         states = safety.load_safely(path / "mp_rank_00_model_states.pt")

@@ -85,6 +85,13 @@ def test_optimizer_factory_gets_expert_groups_and_a_built_one_is_refused_where_z
     assert [g["params"] for g in moe] == [[expert]] and moe[0]["name"] == "ep_size_2"
 
 
+def test_a_checkpoint_of_split_experts_is_told_from_the_model_own_names():
+    split = ["model.layers.0.mlp.router.gate.weight", "model.layers.0.mlp.experts.w1", "lm_head.weight"]
+    assert ep.has_split_experts(split)
+    assert not ep.has_split_experts(mixtral().state_dict())  # experts.gate_up_proj, experts.down_proj
+    assert not ep.has_split_experts(["model.experts.w10", "w1"])
+
+
 # ---------------------------------------------------------------------------------------- 2 ranks
 
 ENV_CACHE = Path.home() / ".cache" / "hydraspeed-ep-env"
