@@ -74,6 +74,19 @@ def optimizer_with_expert_groups(strategy: Strategy, optimizer: Any) -> Any:
     return lambda params: optimizer(configure_moe_param_groups(list(params)))
 
 
+def unshare_optimizer_steps(optimizer: Any) -> None:
+    """Give every optimizer state its own `step` tensor. DeepSpeed's ZeRO-3 universal load hands
+    one tensor to all its sub-groups (one per MoE group under expert parallelism): torch's Adam
+    adds 1 to it in place for each, so the bias correction runs ahead and the resumed run drifts."""
+    seen: set[int] = set()
+    for state in getattr(optimizer, "state", {}).values():
+        step = state.get("step") if isinstance(state, dict) else None
+        if isinstance(step, torch.Tensor):
+            if id(step) in seen:
+                state["step"] = step.clone()
+            seen.add(id(step))
+
+
 def has_split_experts(parameter_names: Iterable[str]) -> bool:
     """True for the parameter names of a model whose experts AutoEP split (its grouped
     `experts.w1`): a checkpoint of it holds each rank's experts apart."""

@@ -359,6 +359,7 @@ class Runtime:
     def load_checkpoint(self, ckpt_dir: str, tag: str) -> Any:
         """Load what `save_checkpoint` wrote; returns DeepSpeed's load path (None: nothing loaded)."""
         path, _ = self.deepspeed_engine.load_checkpoint(ckpt_dir, tag=tag)
+        expert_parallel.unshare_optimizer_steps(getattr(self.optimizer, "optimizer", None))
         return path
 
     def optimizer_state_dict(self) -> dict[str, Any]:

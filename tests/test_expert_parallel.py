@@ -92,6 +92,32 @@ def test_a_checkpoint_of_split_experts_is_told_from_the_model_own_names():
     assert not ep.has_split_experts(["model.experts.w10", "w1"])
 
 
+def adamw_step_after_a_load(steps: str) -> list[torch.Tensor]:
+    """Two sub-groups' parameters after one AdamW step from loaded states whose `step` tensors are
+    "own" (one each), "shared" (one for both, as DeepSpeed's ZeRO-3 universal load leaves them) or
+    "unshared" (shared, then `unshare_optimizer_steps`)."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(3)) for _ in range(2)]
+    opt = torch.optim.AdamW([{"params": [p]} for p in params], lr=0.1)
+    for p in params:
+        p.grad = torch.ones(3)
+    opt.step()
+    loaded = torch.tensor(5.0)
+    for p in params:
+        opt.state[p]["step"] = loaded.clone() if steps == "own" else loaded
+    if steps == "unshared":
+        ep.unshare_optimizer_steps(opt)
+    opt.step()
+    return [p.detach().clone() for p in params]
+
+
+def test_a_step_tensor_shared_by_sub_groups_is_made_one_each():
+    own = adamw_step_after_a_load("own")
+    assert not torch.equal(adamw_step_after_a_load("shared")[1], own[1])  # the second counts 7, not 6
+    for got, want in zip(adamw_step_after_a_load("unshared"), own):
+        assert torch.equal(got, want)
+
+
 # ---------------------------------------------------------------------------------------- 2 ranks
 
 ENV_CACHE = Path.home() / ".cache" / "hydraspeed-ep-env"
