@@ -87,6 +87,17 @@ def unshare_optimizer_steps(optimizer: Any) -> None:
             seen.add(id(step))
 
 
+def refuse_whole_weights(module: nn.Module) -> None:
+    """A one-line error for loading whole weights into a model whose experts AutoEP split (each
+    rank holds other experts): the model is built from them instead."""
+    if any(is_expert_layer(m) for m in module.modules()):
+        raise ConfigError(
+            "strategy.expert_parallel: whole weights cannot be loaded into a model whose experts are split "
+            "over ranks (trainer.init_from, Engine.load of a weights file); build the model from them "
+            "instead (from_pretrained, model.path) or resume a checkpoint"
+        )
+
+
 def has_split_experts(parameter_names: Iterable[str]) -> bool:
     """True for the parameter names of a model whose experts AutoEP split (its grouped
     `experts.w1`): a checkpoint of it holds each rank's experts apart."""

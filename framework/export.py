@@ -46,8 +46,7 @@ def fp32_state_dict(ckpt: str | Path) -> dict[str, torch.Tensor]:
     if expert_parallel.has_split_experts(meta.get("setup", {}).get("parameters", {})):
         raise ConfigError(
             f"{path} holds experts split over ranks (strategy.expert_parallel), which DeepSpeed's consolidation "
-            "does not join: export it from Python, on as many processes as trained it: Engine.load(CKPT), then "
-            "Engine.save(OUT, training=False)"
+            "does not join: export it from Python with Engine.load(CKPT), then Engine.save(OUT, training=False)"
         )
     if int(meta["zero_stage"]) == 0:
         states = safety.load_safely(path / "mp_rank_00_model_states.pt")

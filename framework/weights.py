@@ -111,6 +111,7 @@ def load_whole(module: nn.Module, zero3: bool, state: dict[str, Any]) -> None:
     loaded on every rank. Keys and shapes must match exactly, as `load_state_dict(strict=True)`."""
     import deepspeed
 
+    expert_parallel.refuse_whole_weights(module)
     entries = module.state_dict(keep_vars=True)
     mismatch = _mismatch(entries, state)
     if mismatch:

@@ -1,5 +1,6 @@
 """Expert parallelism (DeepSpeed AutoEP): the dependency and model checks made before DeepSpeed is
-built, and one step of a Mixtral with its experts split over 2 ranks equal to plain torch.
+built, one step of a Mixtral with its experts split over 2 ranks equal to plain torch, and its
+checkpoints (exact resume; export and whole-weight loads refused in one line).
 
 AutoEP runs only with transformers 5.0 to 5.22.2 (`framework.expert_parallel`). Where a newer one
 is installed, the 2-rank test installs 5.22.2 once into ~/.cache/hydraspeed-ep-env (pip --target,
@@ -166,3 +167,19 @@ def test_expert_parallel_on_two_ranks_equals_one_process(tmp_path, autoep_python
         assert len(errors) == 4 * 2 * 2
         bad = {case: e for case, e in errors.items() if max(e) > 1e-5}
         assert not bad, bad
+
+
+def test_expert_parallel_checkpoints_on_two_ranks(tmp_path, autoep_pythonpath):
+    """ZeRO-3, experts split over 2 ranks: a crash after the step-2 checkpoint and `resume=auto`
+    end with the uninterrupted run's weights; exporting that checkpoint and loading whole weights
+    into the split model each stop with one line naming what works."""
+    script = str(ROOT / "tests" / "scripts" / "expert_parallel_checkpoint.py")
+    run = run_cmd(
+        [*torchrun(2), script, str(tmp_path)], timeout=180, env=subprocess_env(PYTHONPATH=autoep_pythonpath)
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    for rank in range(2):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["resumed_from"].endswith("step_00000002") and result["resume_error"] <= 1e-6
+        assert "Engine.load(CKPT), then Engine.save(OUT, training=False)" in result["export"]
+        assert "cannot be loaded into a model whose experts are split" in result["load"]
