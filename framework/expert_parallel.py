@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from framework.errors import ConfigError
+from framework.plan import Mesh
 from framework.strategy import Strategy
 
 # The transformers releases AutoEP (DeepSpeed 0.19) runs with, found by running it: 5.0 brought
@@ -30,6 +31,18 @@ from framework.strategy import Strategy
 # later ones and say so themselves), 5.23 the registry it cannot handle.
 TRANSFORMERS_MIN, TRANSFORMERS_MAX = "5.0.0", "5.22.2"
 INSTALL = f'pip install "transformers>={TRANSFORMERS_MIN},<={TRANSFORMERS_MAX}"'
+
+
+def check(mesh: Mesh) -> None:
+    """One-line errors, before DeepSpeed is built, for what AutoEP cannot run: tensor parallelism
+    beside it (DeepSpeed 0.19's AutoEP refuses the tensor-parallel groups the framework hands
+    DeepSpeed so that its batch check counts data-parallel ranks), and another transformers."""
+    if mesh.ep_size > 1 and mesh.tp_size > 1:
+        raise ConfigError(
+            f"strategy.expert_parallel.degree={mesh.ep_size} with strategy.tensor_parallel.degree={mesh.tp_size}: "
+            "DeepSpeed 0.19's AutoEP does not take tensor-parallel groups yet; use one of the two"
+        )
+    check_transformers()
 
 
 def check_transformers(version: str | None = None) -> None:

@@ -79,7 +79,7 @@ def check_model(strategy: Strategy, mesh: Mesh, module: nn.Module) -> None:
                 f"strategy.expert_parallel.degree={mesh.ep_size} does not divide the model's {experts} experts; "
                 f"use a degree that divides {experts}"
             )
-        expert_parallel.check_transformers()
+        expert_parallel.check(mesh)
 
 
 def process_groups(mesh: Mesh) -> object | None:

@@ -70,6 +70,8 @@ def test_model_check_reads_mixtral_experts_and_the_installed_transformers(monkey
     with pytest.raises(ConfigError, match="5.23.0 is installed"):
         check_model(EP2, TWO_RANKS, four)
     check_model(Strategy(), Mesh(world_size=2, rank=0), four)  # no experts split: no demand
+    with pytest.raises(ConfigError, match="AutoEP does not take tensor-parallel groups yet"):
+        check_model(EP2, Mesh(world_size=2, rank=0, tp_size=2, ep_size=2), four)
 
 
 def test_optimizer_factory_gets_expert_groups_and_a_built_one_is_refused_where_zero_cannot_take_it():

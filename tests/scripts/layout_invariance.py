@@ -6,8 +6,8 @@ over counted tokens / their number), and log that loss. Models: the framework's 
 
 Usage: layout_invariance.py OUT_DIR [MODELS] [PARALLEL] [STAGES] [ACCUMULATIONS] [PATHS], e.g.
 `out gpt,llama tp2 0,3 1,2 fit`: PARALLEL is `dp` (the default), `tp<N>` or `sp<N>` (that
-degree of tensor or sequence parallelism; the rest of the ranks data-parallel), or `ep<N>` (the
-experts split over N data-parallel ranks: model `mixtral`). PATHS: `fit`, `run`, and `export` (a
+degree of tensor or sequence parallelism; the rest of the ranks data-parallel), `ep<N>` (the
+experts split over N data-parallel ranks: model `mixtral`), or several (`tp2ep2`). PATHS: `fit`, `run`, and `export` (a
 `run` whose weights are taken as `Engine.save(training=False)` writes them and a fresh model loads
 them: `from_pretrained` for a Hugging Face model).
 
@@ -18,6 +18,7 @@ error, loss error]}, "shares": {case: this rank's parameter elements / the whole
 import copy
 import functools
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -36,13 +37,8 @@ out_dir, which, parallel = Path(sys.argv[1]), arg(2, "gpt,llama"), arg(3, "dp")
 stages = [int(x) for x in arg(4, "0,1,2,3").split(",")]
 accumulations = [int(x) for x in arg(5, "1,2,4").split(",")]
 paths = arg(6, "fit,run").split(",")
-degrees = {}
-if parallel.startswith("tp"):
-    degrees["tensor_parallel"] = {"degree": int(parallel[2:])}
-elif parallel.startswith("sp"):
-    degrees["sequence_parallel"] = {"degree": int(parallel[2:])}
-elif parallel.startswith("ep"):
-    degrees["expert_parallel"] = {"degree": int(parallel[2:])}
+SECTIONS = {"tp": "tensor_parallel", "sp": "sequence_parallel", "ep": "expert_parallel"}
+degrees = {SECTIONS[kind]: {"degree": int(n)} for kind, n in re.findall(r"(tp|sp|ep)(\d+)", parallel)}
 GLOBAL, T, V, LR = 8, 16, 64, 0.5
 torch.manual_seed(0)
 tokens = torch.randint(0, V, (GLOBAL, T))
