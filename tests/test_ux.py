@@ -255,7 +255,7 @@ def test_callbacks_early_stopping_keep_best_and_lr_monitor(tmp_path):
 def test_help_lists_groups_and_options():
     run = run_cmd([sys.executable, str(ROOT / "train.py"), "--help"])
     assert run.returncode == 0
-    assert "strategy: pipeline, zero0, zero1, zero2, zero3, zero3_offload" in run.stdout
+    assert "strategy: ep2, pipeline, sp2, tp2, zero0, zero1, zero2, zero3, zero3_offload" in run.stdout
     assert (
         "model: cnn, gpt, hf_causal_lm, hf_gpt2, hf_llama, hf_mixtral, hf_sequence_classification, mlp" in run.stdout
         and "+strategy=zero3" in run.stdout
