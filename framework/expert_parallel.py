@@ -169,9 +169,10 @@ def source_layout(module: nn.Module, state: dict[str, torch.Tensor]) -> dict[str
         router = {f"{prefix}{child}." for child, sub in layer.named_children() if sub is layer.router}
         experts = {w: state.pop(f"{prefix}experts.{w}") for w in ("w1", "w2", "w3")}
         for key in [k for k in state if any(k.startswith(r) for r in router)]:
-            value = state.pop(key)
-            if key.startswith(f"{prefix}router.gate."):
-                renamed[f"{prefix}{preset.router_pattern}.{key.rsplit('.', 1)[1]}"] = value
+            value = state.pop(key)  # the router's aliases are dropped, its own entries renamed
+            if key.startswith(f"{prefix}router."):  # gate.weight, e_score_correction_bias (DeepSeek-V3)
+                own = key[len(f"{prefix}router.") :].removeprefix("gate.")
+                renamed[f"{prefix}{preset.router_pattern}.{own}"] = value
         experts_at = f"{prefix}{preset.experts_pattern}."
         if preset.expert_w3 is None:  # gate and up fused, gate first (Transformers' layout)
             renamed[experts_at + preset.expert_w1] = torch.cat([experts["w1"], experts["w3"]], dim=1)

@@ -175,19 +175,19 @@ def autoep_pythonpath() -> str:
 
 
 def test_expert_parallel_on_two_ranks_equals_one_process(tmp_path, autoep_pythonpath):
-    """A tiny Mixtral (4 experts, top 2) with its experts split over 2 ranks, ZeRO 0-3, accumulation
-    1 and 2: one SGD step's whole weights equal plain torch on the whole batch, and the logged loss
-    is the global token mean; through `fit`, and through `run` with the weights exported by
-    `Engine.save(training=False)` (every expert, under the model's own names) and reloaded by
-    `from_pretrained`."""
+    """A tiny Mixtral and a DeepSeek-V3 (4 experts, top 2; a shared expert and a router bias) with
+    their experts split over 2 ranks, ZeRO 0-3, accumulation 1 and 2: one SGD step's whole weights
+    equal plain torch on the whole batch, and the logged loss is the global token mean; through
+    `fit`, and through `run` with the weights exported by `Engine.save(training=False)` (every
+    expert, under the model's own names) and reloaded by `from_pretrained`."""
     script = str(ROOT / "tests" / "scripts" / "layout_invariance.py")
     env = subprocess_env(PYTHONPATH=autoep_pythonpath)
-    args = [script, str(tmp_path), "mixtral", "ep2", "0,1,2,3", "1,2", "fit,export"]
+    args = [script, str(tmp_path), "mixtral,deepseek", "ep2", "0,1,2,3", "1,2", "fit,export"]
     run = run_cmd([*torchrun(2), *args], timeout=240, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     for rank in range(2):
         errors = json.loads((tmp_path / f"rank{rank}.json").read_text())["errors"]
-        assert len(errors) == 4 * 2 * 2
+        assert len(errors) == 2 * 4 * 2 * 2
         bad = {case: e for case, e in errors.items() if max(e) > 1e-5}
         assert not bad, bad
 

@@ -2,14 +2,15 @@
 sequences, through `Engine.fit` and through the fine-grained `run`, for every ZeRO stage x
 accumulation steps, must give the weights of plain torch on the whole batch (the loss summed
 over counted tokens / their number), and log that loss. Models: the framework's GPT with
-`loss=lm`, and tiny Hugging Face Llama and Mixtral (4 experts, top 2) models with `loss=model`.
+`loss=lm`, and tiny Hugging Face Llama, Mixtral and DeepSeek-V3 (4 experts, top 2) models with
+`loss=model`.
 
 Usage: layout_invariance.py OUT_DIR [MODELS] [PARALLEL] [STAGES] [ACCUMULATIONS] [PATHS], e.g.
 `out gpt,llama tp2 0,3 1,2 fit`: PARALLEL is `dp` (the default), `tp<N>` or `sp<N>` (that
 degree of tensor or sequence parallelism; the rest of the ranks data-parallel), `ep<N>` (the
-experts split over N data-parallel ranks: model `mixtral`), or several (`tp2ep2`). PATHS: `fit`, `run`, and `export` (a
-`run` whose weights are taken as `Engine.save(training=False)` writes them and a fresh model loads
-them: `from_pretrained` for a Hugging Face model).
+experts split over N data-parallel ranks: models `mixtral`, `deepseek`), or several (`tp2ep2`).
+PATHS: `fit`, `run`, and `export` (a `run` whose weights are taken as `Engine.save(training=False)`
+writes them and a fresh model loads them: `from_pretrained` for a Hugging Face model).
 
 Writes OUT_DIR/rank<R>.json: {"errors": {"<model> <parallel> <path> zero<S> acc<A>": [max weight
 error, loss error]}, "shares": {case: this rank's parameter elements / the whole model's}}.
@@ -106,6 +107,22 @@ def exported(engine, model, out):
     return fresh.state_dict()
 
 
+def deepseek_case():
+    """DeepSeek-V3's MoE: a dense first layer, a shared expert, a router with a score bias."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(
+        vocab_size=V, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=16,
+        q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=T,
+    )  # fmt: skip
+    model = DeepseekV3ForCausalLM(cfg)
+    with torch.no_grad():  # a bias that changes which experts are chosen (it starts at zero)
+        model.model.layers[1].mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+    return hf_case(model)
+
+
 class FirstLoss(Callback):
     """The loss logged at the first optimizer step (log_freq=1: reduced over ranks)."""
 
@@ -119,7 +136,7 @@ class FirstLoss(Callback):
 device.init_process_group(timeout_s=120)  # one group for every engine below
 rank, world = device.rank(), device.world_size()
 errors, shares = {}, {}  # shares: this rank's parameter elements / the model's
-CASES = {"gpt": gpt_case, "llama": llama_case, "mixtral": mixtral_case}
+CASES = {"gpt": gpt_case, "llama": llama_case, "mixtral": mixtral_case, "deepseek": deepseek_case}
 for name in which.split(","):
     model, loss, reference_loss, data = CASES[name]()
     reference = copy.deepcopy(model)
