@@ -8,11 +8,13 @@ one-line error instead of a shape error deep in a forward), and which plan split
 
 from __future__ import annotations
 
+import re
+
 from torch import nn
 
 from framework.errors import ConfigError
 from framework.plan import Mesh
-from framework.strategy import Strategy
+from framework.strategy import Strategy, parse_tp_style
 from framework.weights import is_hf_model
 
 # Where a model states its head and expert counts: Hugging Face config names, then ours.
@@ -51,6 +53,43 @@ def tp_plan_of(strategy: Strategy, module: nn.Module) -> dict[str, str] | None:
         "split; give strategy.tensor_parallel.plan (module name -> column / row / replicate), a "
         "`tensor_parallel_plan` attribute on the model, or strategy.tensor_parallel.preset"
     )
+
+
+def _plan_regexes(plan: dict[str, str]) -> list[re.Pattern[str]]:
+    """The module-name patterns of a plan's split layers (`*` = one name part)."""
+    out = []
+    for pattern, style in plan.items():
+        if parse_tp_style(pattern, style)[0] == "replicate":
+            continue
+        parts = ("[^.]+" if part == "*" else re.escape(part) for part in pattern.split("."))
+        out.append(re.compile(r"^(.*\.)?" + r"\.".join(parts) + r"\.(weight|bias)$"))
+    return out
+
+
+def split_numel(module: nn.Module, strategy: Strategy) -> tuple[int, int]:
+    """(parameters tensor parallelism splits, parameters expert parallelism splits) of `module`
+    under `strategy`, for the memory estimate. Without a plan (a Hugging Face model's own
+    `tp_plan`), the linear layers inside repeated blocks count as split, as they do under the
+    usual column / row plans; experts are the parameters under an `experts` module."""
+    tp, ep = strategy.tensor_parallel.degree, strategy.expert_parallel.degree
+    named = [(name, p.numel()) for name, p in module.named_parameters()]
+    tp_split = ep_split = 0
+    if tp > 1:
+        plan = strategy.tensor_parallel.plan or getattr(module, "tensor_parallel_plan", None)
+        if plan:
+            regexes = _plan_regexes(dict(plan))
+            tp_split = sum(n for name, n in named if any(r.match(name) for r in regexes))
+        else:
+            linears = {
+                f"{mod_name}.{p_name}"
+                for mod_name, mod in module.named_modules()
+                if isinstance(mod, nn.Linear) and re.search(r"\.\d+\.", f".{mod_name}.")
+                for p_name, _ in mod.named_parameters(recurse=False)
+            }
+            tp_split = sum(n for name, n in named if name in linears)
+    if ep > 1:
+        ep_split = sum(n for name, n in named if ".experts." in f".{name}")
+    return tp_split, ep_split
 
 
 def check_model(strategy: Strategy, mesh: Mesh, module: nn.Module) -> None:

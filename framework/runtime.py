@@ -45,6 +45,7 @@ class Runtime:
         self.config: dict[str, Any] | None = None  # the dict DeepSpeed received
         self.deepspeed_engine: Any = None
         self.module: nn.Module | None = None  # the user's model
+        self.parameters = 0  # the model's, counted whole before DeepSpeed splits it
         self.load_universal = False  # the checkpoint to resume was written with another world size
         self.compute_dtype: torch.dtype = getattr(torch, compute_dtype_name(self.strategy))
         self.grad_norm_wanted = False  # ZeRO-0: compute the norm at the next step (costs a few %)
@@ -144,7 +145,7 @@ class Runtime:
         self.start()
         dev.quiet_deepspeed()
         parallel.check_model(self.strategy, self.mesh, module)
-        self.module = module
+        self.module, self.parameters = module, param_counts(module)[0]
         self.config = self.deepspeed_config_for(module)
         optimizer = offload_optimizer(self.strategy, optimizer)
         if self.strategy.recompute.enable and not self.strategy.uses_pipeline:

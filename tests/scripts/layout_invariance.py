@@ -30,6 +30,7 @@ def arg(i, default):
 
 
 out_dir, which, parallel = Path(sys.argv[1]), arg(2, "gpt,llama"), arg(3, "dp")
+out_dir.mkdir(parents=True, exist_ok=True)
 stages = [int(x) for x in arg(4, "0,1,2,3").split(",")]
 accumulations = [int(x) for x in arg(5, "1,2,4").split(",")]
 paths = arg(6, "fit,run").split(",")
