@@ -45,6 +45,8 @@ tokens = torch.randint(0, V, (GLOBAL, T))
 labels = tokens.clone()
 for i in range(GLOBAL):  # sample i counts 2 + 2*i tokens (padding is -100): 2 ... 16
     labels[i, 2 + 2 * i :] = -100
+mask = (labels != -100).long()
+mask[:, 0] = 1
 
 
 def gpt_case():
@@ -66,8 +68,6 @@ def llama_case():
         num_key_value_heads=2, max_position_embeddings=T,
     )  # fmt: skip
     model = LlamaForCausalLM(cfg)
-    mask = (labels != -100).long()
-    mask[:, 0] = 1
 
     def reference_loss(m):
         return m(input_ids=tokens, attention_mask=mask, labels=labels, use_cache=False).loss
@@ -96,9 +96,16 @@ for name in which.split(","):
     ref_loss.backward()
     torch.optim.SGD(reference.parameters(), lr=LR).step()
     expected = reference.state_dict()
+    if "predict" in paths:  # the outputs in dataset order, each sample once, under every degree
+        engine = Engine(copy.deepcopy(model), loss, strategy=Strategy(**degrees))
+        outputs = engine.predict(data, batch_size=GLOBAL // 2)
+        got = torch.cat([getattr(o, "logits", o) for o in outputs])
+        with torch.no_grad():
+            want = model(tokens) if name == "gpt" else model(input_ids=tokens, attention_mask=mask).logits
+        errors[f"{name} {parallel} predict"] = [(got - want).abs().max().item(), abs(len(got) - len(want))]
     for stage in stages:
         for acc in accumulations:
-            for path in paths:
+            for path in (p for p in paths if p != "predict"):
                 engine = Engine(
                     copy.deepcopy(model), loss, functools.partial(torch.optim.SGD, lr=LR),
                     strategy=Strategy(sharding={"stage": stage}, gradient_merge={"k_steps": acc}, **degrees),
