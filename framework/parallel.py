@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import re
 
+import torch
 from torch import nn
 
+from framework import device as dev
 from framework.errors import ConfigError
 from framework.plan import Mesh
 from framework.strategy import Strategy, parse_tp_style
@@ -129,3 +131,26 @@ def process_groups(mesh: Mesh) -> object | None:
 
     groups._init_tp_mesh_device(tensor_model_parallel_size=mesh.tp_size)
     return groups
+
+
+def grad_norm(params: list[nn.Parameter], mesh: Mesh) -> torch.Tensor | None:
+    """The global L2 norm of `params`' gradients on a rank whose data-parallel gradients are
+    already reduced (ZeRO-0): a tensor-parallel layer's shards are summed over its ranks, a
+    weight every such rank holds whole counts once (DeepSpeed's rule for model-parallel norms).
+    Collective over the tensor-parallel ranks. Stays a tensor: no device sync."""
+    split = mesh.tp_size > 1
+    grads = [
+        p.grad.detach().float()
+        for p in params
+        if p.grad is not None
+        and (not split or mesh.mp_rank == 0 or getattr(p, "tensor_model_parallel", False))
+    ]
+    if not grads and not split:
+        return None
+    squares = torch.stack(torch._foreach_norm(grads)).square().sum() if grads else torch.zeros(())
+    if split:
+        from deepspeed.utils import groups
+
+        squares = squares.to(dev.collective_device())
+        torch.distributed.all_reduce(squares, group=groups.get_tensor_model_parallel_group())
+    return squares.sqrt()

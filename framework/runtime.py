@@ -281,9 +281,7 @@ class Runtime:
         if not self.grad_norm_wanted or self.deepspeed_engine.zero_optimization_stage() != 0:
             return
         assert self.module is not None
-        grads = [p.grad.detach().float() for p in self.module.parameters() if p.grad is not None]
-        # stays a tensor: no device sync until the value is read
-        self._last_grad_norm = torch.stack(torch._foreach_norm(grads)).norm() if grads else None
+        self._last_grad_norm = parallel.grad_norm(list(self.module.parameters()), self.mesh)
 
     def at_step_boundary(self) -> bool:
         """True between optimizer steps (no gradient accumulation half done): a safe point to checkpoint."""

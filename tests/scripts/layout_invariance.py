@@ -8,8 +8,11 @@ Usage: layout_invariance.py OUT_DIR [MODELS] [PARALLEL] [STAGES] [ACCUMULATIONS]
 `out gpt,llama tp2 0,3 1,2 fit`: PARALLEL is `dp` (the default), `tp<N>` or `sp<N>` (that
 degree of tensor or sequence parallelism; the rest of the ranks data-parallel).
 
+Every step clips the gradient norm at half the reference's, so the global norm each layout
+computes is checked too (and `run` fetches it).
+
 Writes OUT_DIR/rank<R>.json: {"errors": {"<model> <parallel> <path> zero<S> acc<A>": [max weight
-error, loss error]}, "shares": {case: this rank's parameter elements / the whole model's}}.
+error, loss error, grad-norm error]}, "shares": {case: this rank's parameter elements / the whole model's}}.
 """
 
 import copy
@@ -94,6 +97,9 @@ for name in which.split(","):
     reference = copy.deepcopy(model)
     ref_loss = reference_loss(reference)
     ref_loss.backward()
+    ref_norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()]).item()
+    clip = ref_norm / 2  # the step clips: the norm every layout computes must be the global one
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
     torch.optim.SGD(reference.parameters(), lr=LR).step()
     expected = reference.state_dict()
     if "predict" in paths:  # the outputs in dataset order, each sample once, under every degree
@@ -108,17 +114,21 @@ for name in which.split(","):
             for path in (p for p in paths if p != "predict"):
                 engine = Engine(
                     copy.deepcopy(model), loss, functools.partial(torch.optim.SGD, lr=LR),
-                    strategy=Strategy(sharding={"stage": stage}, gradient_merge={"k_steps": acc}, **degrees),
+                    strategy=Strategy(
+                        sharding={"stage": stage}, gradient_merge={"k_steps": acc},
+                        gradient_clip={"max_norm": clip}, **degrees,
+                    ),
                 )  # fmt: skip
                 if path == "fit":
                     first = FirstLoss()
                     engine.fit(
                         data, batch_size=GLOBAL, epochs=1, shuffle=False, log_freq=1, callbacks=[first]
                     )
-                    logged = first.loss
+                    logged, norm = first.loss, ref_norm
                 else:
                     loader = engine.dataloader(data, batch_size=GLOBAL, mode="train")
-                    logged = device.all_reduce_mean(engine.run(next(iter(loader)))["loss"])
+                    logs = engine.run(next(iter(loader)), fetch_list=["grad_norm"])
+                    logged, norm = device.all_reduce_mean(logs["loss"]), logs["fetches"]["grad_norm"]
                 local = sum(p.numel() for p in engine.module.parameters() if p.numel())
                 state = engine.runtime.full_state_dict(on_every_rank=True)
                 shares[f"{name} {parallel} {path} zero{stage} acc{acc}"] = local / sum(
@@ -128,6 +138,7 @@ for name in which.split(","):
                 errors[f"{name} {parallel} {path} zero{stage} acc{acc}"] = [
                     weight_error,
                     abs(logged - ref_loss.item()),
+                    abs(norm - ref_norm),  # run: the fetched grad_norm (fit logs none)
                 ]
 device.destroy_process_group()
 (out_dir / f"rank{rank}.json").write_text(json.dumps({"errors": errors, "shares": shares}))
