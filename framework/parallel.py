@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from framework import device as dev
+from framework import sequence_parallel
 from framework.errors import ConfigError
 from framework.plan import Mesh
 from framework.strategy import Strategy, parse_tp_style
@@ -107,6 +108,8 @@ def check_model(strategy: Strategy, mesh: Mesh, module: nn.Module) -> None:
                     f"strategy.{name}.degree={degree} does not divide the model's {count} {what}; "
                     f"use a degree that divides {count}"
                 )
+    if mesh.sp_size > 1:
+        sequence_parallel.check_model(module, mesh.sp_size)
     if mesh.ep_size > 1:
         experts = _config_value(module, _EXPERTS)
         if experts is None:
@@ -121,10 +124,14 @@ def check_model(strategy: Strategy, mesh: Mesh, module: nn.Module) -> None:
             )
 
 
-def process_groups(mesh: Mesh) -> object | None:
+def process_groups(mesh: Mesh, module: nn.Module | None = None) -> object | None:
     """What DeepSpeed's `initialize` takes as `mpu` for this mesh: DeepSpeed's own groups module,
     with its tensor-parallel mesh made first, so DeepSpeed's batch check counts data-parallel
-    ranks, not processes (AutoTP would make the same mesh only later, inside the engine)."""
+    ranks, not processes (AutoTP would make the same mesh only later, inside the engine); under
+    sequence parallelism its sequence-parallel groups, `module`'s attention switched to Ulysses
+    (`framework.sequence_parallel.prepare`)."""
+    if mesh.sp_size > 1 and module is not None:
+        return sequence_parallel.prepare(module, mesh)
     if mesh.tp_size <= 1:
         return None
     from deepspeed.utils import groups

@@ -172,11 +172,12 @@ class Runtime:
                 optimizer=optimizer,
                 model_parameters=trainable if optimizer is None or callable(optimizer) else None,
                 config=self.config,
-                mpu=parallel.process_groups(self.mesh),
+                mpu=parallel.process_groups(self.mesh, module),
             )
         if self._is_zero3():
             zero3_trace.keep_release_plans_fresh(module, self.deepspeed_engine)
-        if self.dp_size == 1 and self.strategy.sharding.stage == 0 and not self.strategy.uses_pipeline:
+        alone = self.world_size == self.mesh.tp_size  # no rank to sum gradients with (TP ranks need none)
+        if alone and self.strategy.sharding.stage == 0 and not self.strategy.uses_pipeline:
             # One data-parallel rank: DeepSpeed would still flatten and "all-reduce" every gradient
             # over a group of one each step (pure copies).
             self.deepspeed_engine.enable_backward_allreduce = self.strategy.amp.enable

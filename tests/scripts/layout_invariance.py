@@ -12,7 +12,11 @@ Every step clips the gradient norm at half the reference's, so the global norm e
 computes is checked too (and `run` fetches it).
 
 Writes OUT_DIR/rank<R>.json: {"errors": {"<model> <parallel> <path> zero<S> acc<A>": [max weight
-error, loss error, grad-norm error]}, "shares": {case: this rank's parameter elements / the whole model's}}.
+error, loss error, grad-norm error]}, "shares": {case: this rank's parameter elements / the whole model's},
+"lengths": {case: the sequence lengths the model was given in training on this rank}}. PATHS may
+also name `predict` ("<model> <parallel> predict": [max logit error, sample count error]) and
+`evaluate` ("<model> <parallel> evaluate": [loss error]; the whole batch's token mean only with
+one data-parallel replica: evaluation averages its batches' token means).
 """
 
 import copy
@@ -89,9 +93,19 @@ class FirstLoss(Callback):
             self.loss = state.logs["loss"]
 
 
+def recorder(seen):
+    """A forward pre-hook noting the length of the token sequences a model is given in training."""
+
+    def record(module, args, kwargs):
+        if module.training:
+            seen.add((kwargs["input_ids"] if "input_ids" in kwargs else args[0]).shape[-1])
+
+    return record
+
+
 device.init_process_group(timeout_s=120)  # one group for every engine below
 rank, world = device.rank(), device.world_size()
-errors, shares = {}, {}  # shares: this rank's parameter elements / the model's
+errors, shares, lengths = {}, {}, {}  # shares: this rank's parameter elements / the model's
 for name in which.split(","):
     model, loss, reference_loss, data = {"gpt": gpt_case, "llama": llama_case}[name]()
     reference = copy.deepcopy(model)
@@ -109,9 +123,14 @@ for name in which.split(","):
         with torch.no_grad():
             want = model(tokens) if name == "gpt" else model(input_ids=tokens, attention_mask=mask).logits
         errors[f"{name} {parallel} predict"] = [(got - want).abs().max().item(), abs(len(got) - len(want))]
+    if "evaluate" in paths:  # the loss of whole sequences, under every degree
+        engine = Engine(copy.deepcopy(model), loss, strategy=Strategy(**degrees))
+        with torch.no_grad():
+            want = reference_loss(copy.deepcopy(model)).item()
+        errors[f"{name} {parallel} evaluate"] = [abs(engine.evaluate(data, batch_size=GLOBAL)["loss"] - want)]
     for stage in stages:
         for acc in accumulations:
-            for path in (p for p in paths if p != "predict"):
+            for path in (p for p in paths if p in ("fit", "run")):
                 engine = Engine(
                     copy.deepcopy(model), loss, functools.partial(torch.optim.SGD, lr=LR),
                     strategy=Strategy(
@@ -119,6 +138,8 @@ for name in which.split(","):
                         gradient_clip={"max_norm": clip}, **degrees,
                     ),
                 )  # fmt: skip
+                seen = set()
+                engine.module.register_forward_pre_hook(recorder(seen), with_kwargs=True)
                 if path == "fit":
                     first = FirstLoss()
                     engine.fit(
@@ -134,6 +155,7 @@ for name in which.split(","):
                 shares[f"{name} {parallel} {path} zero{stage} acc{acc}"] = local / sum(
                     v.numel() for k, v in state.items() if k in dict(engine.module.named_parameters())
                 )
+                lengths[f"{name} {parallel} {path} zero{stage} acc{acc}"] = sorted(seen)
                 weight_error = max((state[k].float() - v).abs().max().item() for k, v in expected.items())
                 errors[f"{name} {parallel} {path} zero{stage} acc{acc}"] = [
                     weight_error,
@@ -141,4 +163,6 @@ for name in which.split(","):
                     abs(norm - ref_norm),  # run: the fetched grad_norm (fit logs none)
                 ]
 device.destroy_process_group()
-(out_dir / f"rank{rank}.json").write_text(json.dumps({"errors": errors, "shares": shares}))
+(out_dir / f"rank{rank}.json").write_text(
+    json.dumps({"errors": errors, "shares": shares, "lengths": lengths})
+)
