@@ -63,7 +63,7 @@ def check_model(module: nn.Module, degree: int) -> None:
 
 def prepare(module: nn.Module, mesh: Mesh) -> Any:
     """Switch `module`'s attention to Ulysses and return DeepSpeed's sequence-parallel groups
-    (the `mpu` for `deepspeed.initialize`). Collective the first time (it makes the groups)."""
+    (the `mpu` that DeepSpeed's initialize takes). Collective the first time (it makes the groups)."""
     check_model(module, mesh.sp_size)
     core = _attention_name(module).removeprefix(PREFIX)
     from transformers import AttentionInterface
