@@ -103,7 +103,7 @@ def _ulysses_attention(core: Callable[..., Any]) -> Callable[..., Any]:
     from deepspeed.runtime.sequence_parallel import parallel_state_sp as mpu
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
-    made: dict[tuple[int, ...], UlyssesSPAttentionHF] = {}
+    made: dict[tuple[int, ...], tuple[Any, UlyssesSPAttentionHF]] = {}  # shape -> (its group, it)
 
     def attention(
         module: nn.Module,
@@ -116,13 +116,14 @@ def _ulysses_attention(core: Callable[..., Any]) -> Callable[..., Any]:
         if not module.training:
             return core(module, query, key, value, *args, **kwargs)
         shape = (query.shape[0], query.shape[1], key.shape[1], query.shape[3])
-        if shape not in made:
-            made[shape] = UlyssesSPAttentionHF(
+        group = mpu.get_sequence_parallel_group()
+        if shape not in made or made[shape][0] is not group:  # new, or its groups were made anew
+            made[shape] = group, UlyssesSPAttentionHF(
                 attn=core, batch_size=shape[0], attn_head_count=shape[1], attn_head_size=shape[3],
                 kv_head_count=shape[2], num_hidden_layers=getattr(module.config, "num_hidden_layers", 1),
-                process_group=mpu.get_sequence_parallel_group(), seq_length_is_variable=True,
+                process_group=group, seq_length_is_variable=True,
             )  # fmt: skip
-        return made[shape](module, query, key, value, *args, **kwargs)
+        return made[shape][1](module, query, key, value, *args, **kwargs)
 
     return attention
 

@@ -5,6 +5,7 @@ through fit and run at ZeRO 0-3 (plus evaluation and prediction after it), and t
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,10 +13,12 @@ import torch
 from framework import ConfigError, Strategy
 from framework import sequence_parallel as sp
 from framework.items import counted_items, step_weights
+from framework.metrics import Accuracy, MetricSet
 from framework.models import GPT, LMLoss
 from framework.outputs import ModelLoss
 from framework.parallel import check_model
 from framework.plan import Mesh
+from framework.steps import update_metrics
 
 from .conftest import ROOT, final_metrics, run_cmd, run_train, torchrun
 
@@ -67,6 +70,20 @@ def test_the_ranks_count_each_token_once_and_unshifted():
     micros = [{k: v[i : i + 1] for k, v in _batch().items() if k != "tag"} for i in (0, 1)]
     weights = step_weights(micros, ModelLoss(), llama, "labels", _mesh(0))
     assert [w.item() for w in weights] == pytest.approx([4 * 4 / 6, 4 * 2 / 6])  # rank 0: 4 and 2 labels
+
+
+def test_metrics_over_the_slices_equal_metrics_over_the_whole_sequences():
+    """The slices' labels are shifted already: the metrics score them as they are."""
+    engine = SimpleNamespace(output_key=None, loss=ModelLoss(), module=_llama())
+    logits = torch.randn(2, 8, 32)
+    logits[0, 2, LABELS[0, 3]] = 99.0  # a few right predictions, across the ranks' border too
+    logits[0, 3, LABELS[0, 4]] = 99.0
+    whole, sliced = MetricSet({"accuracy": Accuracy()}), MetricSet({"accuracy": Accuracy()})
+    update_metrics(engine, whole, logits, LABELS)
+    for rank in (0, 1):
+        labels = sp.shard(_batch(), _mesh(rank))["labels"]
+        update_metrics(engine, sliced, logits[:, 4 * rank : 4 * rank + 4], labels, aligned=True)
+    assert sliced.compute() == whole.compute() and whole.compute()["accuracy"] >= 2 / 9
 
 
 def test_a_slice_without_labels_gives_a_loss_of_zero_not_nan():
