@@ -7,18 +7,19 @@ whole sequence, labels shifted once over the whole sequence (Hugging Face's `shi
 slice's last token is scored against the next slice's first), then its chunk of every per-token
 tensor. In each attention layer DeepSpeed's `UlyssesSPAttentionHF` trades the sequence split for a
 head split (all-to-all), runs the model's own attention (sdpa, flash) over the whole sequence for
-its heads, and trades back. The model's config names that attention ("ulysses_<core>"), so other
-models in the process keep theirs.
+its heads, and trades back. The model's config names that attention ("ulysses_<core>", masks
+made as for the core), so other models in the process keep theirs.
 
 The loss is the framework's (`framework.items`): each rank's model loss is the mean over its
 slice's counted tokens, weighted so that the ranks' losses add up to the global batch's token mean
 (the logged loss); `gradient_share` then corrects the gradient's scale, as DeepSpeed's ZeRO 0-2
 sum the sequence-parallel ranks' gradients where ZeRO-3 averages them.
 
-Evaluation and prediction run whole sequences on every rank (no all-to-all): the same loss and
-whole outputs, at the memory of an unsplit forward pass. Limits: the attention is causal over the
-whole sequence and ignores `attention_mask` (DeepSpeed drops it), so padding must be on the right
-(a left-padded training batch is an error) and packed sequences are not kept apart.
+Evaluation and prediction run whole sequences on every rank with the core attention and the
+model's mask (no all-to-all): the outputs of the model without sequence parallelism, at the
+memory of an unsplit forward pass. Limits in training: the attention is causal over the whole
+sequence and ignores `attention_mask` (DeepSpeed drops it), so padding must be on the right (a
+left-padded batch is an error) and packed sequences are not kept apart.
 """
 
 from __future__ import annotations
@@ -66,11 +67,12 @@ def prepare(module: nn.Module, mesh: Mesh) -> Any:
     (the `mpu` that DeepSpeed's initialize takes). Collective the first time (it makes the groups)."""
     check_model(module, mesh.sp_size)
     core = _attention_name(module).removeprefix(PREFIX)
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface, AttentionMaskInterface
 
     name, registry = PREFIX + core, AttentionInterface()  # a fresh instance: the library-wide functions
     if name not in registry:
         AttentionInterface.register(name, _ulysses_attention(registry[core]))
+        AttentionMaskInterface.register(name, AttentionMaskInterface()[core])  # masks as the core's
     groups = _groups(mesh.sp_size)
     module.config._attn_implementation = name  # type: ignore[union-attr]
     return groups
@@ -97,9 +99,10 @@ def _groups(degree: int) -> Any:
 
 
 def _ulysses_attention(core: Callable[..., Any]) -> Callable[..., Any]:
-    """An attention function for Hugging Face's registry: Ulysses around `core` in training, `core`
-    itself on whole sequences in evaluation. One `UlyssesSPAttentionHF` per shape of heads and
-    batch (it checks every call's shapes against the batch size it was made for)."""
+    """An attention function for Hugging Face's registry: Ulysses around `core` in training (without
+    a mask: one made for a slice means nothing for the whole sequence), `core` itself with the
+    model's mask on whole sequences in evaluation. One `UlyssesSPAttentionHF` per shape of heads
+    and batch (it checks every call's shapes against the batch size it was made for)."""
     from deepspeed.runtime.sequence_parallel import parallel_state_sp as mpu
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
@@ -110,11 +113,12 @@ def _ulysses_attention(core: Callable[..., Any]) -> Callable[..., Any]:
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
+        attention_mask: Any,
         *args: Any,
         **kwargs: Any,
     ) -> Any:
         if not module.training:
-            return core(module, query, key, value, *args, **kwargs)
+            return core(module, query, key, value, attention_mask, *args, **kwargs)
         shape = (query.shape[0], query.shape[1], key.shape[1], query.shape[3])
         group = mpu.get_sequence_parallel_group()
         if shape not in made or made[shape][0] is not group:  # new, or its groups were made anew
@@ -123,7 +127,7 @@ def _ulysses_attention(core: Callable[..., Any]) -> Callable[..., Any]:
                 kv_head_count=shape[2], num_hidden_layers=getattr(module.config, "num_hidden_layers", 1),
                 process_group=group, seq_length_is_variable=True,
             )  # fmt: skip
-        return made[shape][1](module, query, key, value, *args, **kwargs)
+        return made[shape][1](module, query, key, value, None, *args, **kwargs)
 
     return attention
 

@@ -1,6 +1,6 @@
 """Sequence parallelism (DeepSpeed Ulysses): each rank's slice of a batch, the items it counts, the
 gradient share, one-line errors, and on two ranks one SGD step equal to a 1-process reference
-through fit and run at ZeRO 0-3 (plus evaluation and prediction after it), and the CLI."""
+through fit and run at ZeRO 0-3 (and evaluation and prediction as without it), and the CLI."""
 
 from __future__ import annotations
 
@@ -138,16 +138,17 @@ def test_what_sequence_parallelism_cannot_take_is_a_one_line_error():
 
 def test_one_sgd_step_on_two_sequence_parallel_ranks_equals_one_process(tmp_path):
     """A Llama with loss=model, each of 2 ranks holding half of every padded sequence (2 to 16
-    counted tokens): ZeRO 0-3 x accumulation 1/2, fit and run, weights and the logged loss equal
-    the 1-process reference's; evaluation and prediction after the step too."""
+    counted tokens): ZeRO 0-3 x accumulation 1/2, fit and run, weights (the gradient clipped at
+    half its norm), the logged loss and the fetched grad_norm equal the 1-process reference's;
+    prediction (every position, padding too) and evaluation equal the model's without SP."""
     script = str(ROOT / "tests" / "scripts" / "layout_invariance.py")
-    run = run_cmd(
-        [*torchrun(2), script, str(tmp_path), "llama", "sp2", "0,1,2,3", "1,2", "fit,run"], timeout=240
-    )
+    args = [str(tmp_path), "llama", "sp2", "0,1,2,3", "1,2", "fit,run,predict,evaluate"]
+    run = run_cmd([*torchrun(2), script, *args], timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
     for rank in range(2):
         out = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert len(out["errors"]) == 4 * 2 * 2 and all(len(e) == 4 for e in out["errors"].values())
+        assert len(out["errors"]) == 4 * 2 * 2 + 2
+        assert {"llama sp2 predict", "llama sp2 evaluate"} <= set(out["errors"])
         bad = {case: e for case, e in out["errors"].items() if max(e) > 1e-5}
         assert not bad, bad
         assert set(map(tuple, out["lengths"].values())) == {(8,)}  # each rank trained on 8 of 16 tokens
