@@ -24,7 +24,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from framework import checkpoint, construct, runlog, slurm
+from framework import checkpoint, construct, parallel, runlog, slurm
 from framework import device as dev
 from framework.callbacks import Callback
 from framework.checkpoint import preemption
@@ -267,6 +267,7 @@ def print_plan(engine: Engine) -> None:
     """What `+dry_run=true` prints: per-rank model-state memory and the DeepSpeed config."""
     cost = engine.cost("train")
     runtime = engine.runtime
+    parallel.check_model(runtime.strategy, runtime.mesh, engine.module)  # what training would refuse
     print(
         f"{type(engine.module).__name__}: {cost['parameters']:,} parameters (largest tensor "
         f"{cost['largest_parameter']:,}) | {runtime.strategy.describe()} | {runtime.mesh.describe()}"
