@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from framework import device as dev
 from framework.errors import ConfigError
-from framework.plan import Mesh
 from framework.strategy import Strategy
 
 # The transformers releases AutoEP (DeepSpeed 0.19) runs with, found by running it: 5.0 brought
@@ -31,18 +31,6 @@ from framework.strategy import Strategy
 # later ones and say so themselves), 5.23 the registry it cannot handle.
 TRANSFORMERS_MIN, TRANSFORMERS_MAX = "5.0.0", "5.22.2"
 INSTALL = f'pip install "transformers>={TRANSFORMERS_MIN},<={TRANSFORMERS_MAX}"'
-
-
-def check(mesh: Mesh) -> None:
-    """One-line errors, before DeepSpeed is built, for what AutoEP cannot run: tensor parallelism
-    beside it (DeepSpeed 0.19's AutoEP refuses the tensor-parallel groups the framework hands
-    DeepSpeed so that its batch check counts data-parallel ranks), and another transformers."""
-    if mesh.ep_size > 1 and mesh.tp_size > 1:
-        raise ConfigError(
-            f"strategy.expert_parallel.degree={mesh.ep_size} with strategy.tensor_parallel.degree={mesh.tp_size}: "
-            "DeepSpeed 0.19's AutoEP does not take tensor-parallel groups yet; use one of the two"
-        )
-    check_transformers()
 
 
 def check_transformers(version: str | None = None) -> None:
@@ -85,6 +73,29 @@ def optimizer_with_expert_groups(strategy: Strategy, optimizer: Any) -> Any:
     from deepspeed.moe.utils import configure_moe_param_groups
 
     return lambda params: optimizer(configure_moe_param_groups(list(params)))
+
+
+def is_expert_param(param: torch.Tensor) -> bool:
+    """True for a parameter that holds some of the experts (each expert-parallel rank others)."""
+    return getattr(param, "allreduce", True) is False and hasattr(param, "group_name")
+
+
+def expert_grad_squares(params: Sequence[nn.Parameter]) -> torch.Tensor:
+    """The squared L2 norm of the gradients of the experts among `params`, summed over the ranks
+    that hold the other experts. Collective over each expert-parallel group."""
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    total = torch.zeros((), device=dev.collective_device())
+    by_group: dict[str, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None and is_expert_param(p):
+            by_group.setdefault(p.group_name, []).append(p.grad.detach().float())  # type: ignore[attr-defined]
+    for name in sorted(by_group):  # the same order on every rank
+        squares = torch.stack(torch._foreach_norm(by_group[name])).square().sum().to(total.device)
+        dist.all_reduce(squares, group=groups._get_expert_parallel_group(name))
+        total = total + squares
+    return total
 
 
 def unshare_optimizer_steps(optimizer: Any) -> None:

@@ -310,6 +310,16 @@ class Strategy:
                 "sequence and expert parallelism together are not supported by DeepSpeed 0.19's AutoEP; "
                 "use one of them"
             )
+        if ep.degree > 1 and self.sharding.stage == 0 and self.gradient_clip.max_norm > 0:
+            raise ConfigError(  # measured: it clips by the mean of the ranks' norms, not the global one
+                "expert parallelism with gradient clipping needs ZeRO stage 1-3: DeepSpeed 0.19's ZeRO-0 clips "
+                "by a norm that misses the other ranks' experts; set strategy.sharding.stage >= 1"
+            )
+        if tp.degree > 1 and ep.degree > 1:  # measured: AutoEP raises on the TP groups handed as mpu
+            raise ConfigError(
+                "tensor and expert parallelism together are not supported (DeepSpeed 0.19's AutoEP does not "
+                "take tensor-parallel groups yet); use strategy.tensor_parallel.degree or expert_parallel.degree"
+            )
         for pattern, style in (tp.plan or {}).items():
             parse_tp_style(f"strategy.tensor_parallel.plan[{pattern!r}]", style)
 

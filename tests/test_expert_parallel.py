@@ -70,8 +70,15 @@ def test_model_check_reads_mixtral_experts_and_the_installed_transformers(monkey
     with pytest.raises(ConfigError, match="5.23.0 is installed"):
         check_model(EP2, TWO_RANKS, four)
     check_model(Strategy(), Mesh(world_size=2, rank=0), four)  # no experts split: no demand
-    with pytest.raises(ConfigError, match="AutoEP does not take tensor-parallel groups yet"):
-        check_model(EP2, Mesh(world_size=2, rank=0, tp_size=2, ep_size=2), four)
+    with pytest.raises(ConfigError, match="tensor and expert parallelism together are not supported"):
+        Strategy(tensor_parallel={"degree": 2}, **EP2_SECTION)
+
+
+def test_gradient_clipping_beside_split_experts_needs_zero_1_to_3():
+    with pytest.raises(ConfigError, match="needs ZeRO stage 1-3"):
+        Strategy(sharding={"stage": 0}, gradient_clip={"max_norm": 1.0}, **EP2_SECTION)
+    Strategy(sharding={"stage": 1}, gradient_clip={"max_norm": 1.0}, **EP2_SECTION)
+    Strategy(sharding={"stage": 0}, **EP2_SECTION)  # no clipping: ZeRO-0 is exact
 
 
 def test_optimizer_factory_gets_expert_groups_and_a_built_one_is_refused_where_zero_cannot_take_it():

@@ -257,6 +257,7 @@ def test_help_lists_groups_and_options():
     assert run.returncode == 0
     assert "strategy: ep2, pipeline, sp2, tp2, zero0, zero1, zero2, zero3, zero3_offload" in run.stdout
     assert (
-        "model: cnn, gpt, hf_causal_lm, hf_gpt2, hf_llama, hf_mixtral, hf_sequence_classification, mlp" in run.stdout
+        "model: cnn, gpt, hf_causal_lm, hf_gpt2, hf_llama, hf_mixtral, hf_sequence_classification, mlp"
+        in run.stdout
         and "+strategy=zero3" in run.stdout
     )
