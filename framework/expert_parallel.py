@@ -1,17 +1,21 @@
-"""Expert parallelism on DeepSpeed's AutoEP: what it needs installed, and whole experts out of it.
+"""Expert parallelism on DeepSpeed's AutoEP: what it needs, and what the rest of the framework must
+know of a model whose experts are split.
 
 AutoEP (`framework.ds_config` writes its `expert_parallel` section) replaces each mixture-of-experts
 block of a Hugging Face model by an `AutoEPMoELayer`: the router as `router.gate`, and this rank's
 share of the experts as grouped tensors `experts.w1` (gate), `experts.w3` (up) and `experts.w2`
-(down), `[local experts, out, in]`. Two things follow here:
+(down), `[local experts, out, in]`. Here:
 
-- AutoEP hooks into transformers' output recorders, which changed shape in transformers 5.23 (a
-  registry became a dict subclass: `TypeError: _CanRecordRegistry.get()` deep inside DeepSpeed's
-  engine). `check_transformers` says so in one line before DeepSpeed is built.
-- Consolidated weights (`framework.weights.consolidate`: export, `full_state_dict`) are the
-  model's own: `whole_experts` gathers each grouped tensor over the expert-parallel ranks, and
-  `source_layout` gives the experts and router back their Hugging Face names and layout, so the
-  weights load into the model `from_pretrained` builds.
+- `check_transformers`: AutoEP hooks into transformers' output recorders, which changed shape in
+  5.23 (a registry became a dict subclass: `TypeError: _CanRecordRegistry.get()` deep inside
+  DeepSpeed's engine); said in one line before DeepSpeed is built.
+- `optimizer_with_expert_groups`: the optimizer gets DeepSpeed's MoE param groups.
+- `whole_experts` + `source_layout`: consolidated weights (`framework.weights.consolidate`: export,
+  `full_state_dict`) are the model's own, every expert gathered, under its Hugging Face names.
+- `expert_grad_squares`: the experts' share of the global gradient norm (ZeRO-0).
+- `unshare_optimizer_steps`: a ZeRO-3 universal load's shared `step` tensor, made one per state.
+- `refuse_whole_weights`, `has_split_experts`: one-line errors where whole weights meet split
+  experts (a weights file loaded, a checkpoint exported).
 """
 
 from __future__ import annotations
