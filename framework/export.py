@@ -5,7 +5,9 @@
     python -m framework.export CKPT_DIR OUT_DIR --hf   # a Hugging Face save_pretrained directory
 
 ZeRO 1-3 shards are merged with DeepSpeed's own zero_to_fp32; a ZeRO-0 checkpoint already holds
-whole weights. OUT gets safetensors (`.safetensors`) or a torch state dict (any other suffix);
+whole weights. A tensor-parallel checkpoint (ZeRO 1-3) is converted to DeepSpeed's universal
+format once (`<checkpoint>_universal/`, as for a resume on another layout), which holds every
+parameter whole in fp32 (zero_to_fp32 cannot merge tensor-parallel shards). OUT gets safetensors (`.safetensors`) or a torch state dict (any other suffix);
 `model.load_state_dict(load_weights(OUT), strict=True)` loads it. With `--hf` (the default for a
 checkpoint of a transformers model when OUT has no suffix) OUT_DIR gets `config.json` and
 safetensors weights that `AutoModelForCausalLM.from_pretrained(OUT_DIR)` loads (tied weights
@@ -42,6 +44,8 @@ def fp32_state_dict(ckpt: str | Path) -> dict[str, torch.Tensor]:
             f"{path} is a pipeline checkpoint: export it from Python with Engine.save(path, training=False), "
             "which maps the stages back onto the model"
         )
+    if _tp_size(path, meta) > 1:
+        return _tensor_parallel_state_dict(path, meta)
     if int(meta["zero_stage"]) == 0:
         states = safety.load_safely(path / "mp_rank_00_model_states.pt")
         weights = {k: v.float() if v.is_floating_point() else v for k, v in states["module"].items()}
@@ -50,6 +54,40 @@ def fp32_state_dict(ckpt: str | Path) -> dict[str, torch.Tensor]:
 
     with contextlib.redirect_stdout(io.StringIO()):  # it prints progress
         return dict(get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name))
+
+
+def _tp_size(path: Path, meta: dict) -> int:
+    """The tensor-parallel degree a checkpoint was saved with (each TP rank writes its model states)."""
+    return int(meta.get("tp_size") or len(list(path.glob("mp_rank_*_model_states.pt"))) or 1)
+
+
+def _tensor_parallel_state_dict(path: Path, meta: dict) -> dict[str, torch.Tensor]:
+    """Whole fp32 weights of a tensor-parallel checkpoint, from its universal conversion: each
+    parameter's `zero/<name>/fp32.pt`; buffers (never split) and the second names of tied
+    weights from rank 0's model states, in its key order."""
+    if int(meta["zero_stage"]) == 0:
+        raise ConfigError(
+            f"{path} is a ZeRO-0 checkpoint split over {_tp_size(path, meta)} tensor-parallel ranks, which DeepSpeed "
+            "cannot merge offline: export it from Python with Engine.save(path, training=False), or train "
+            "with strategy.sharding.stage=1 or more"
+        )
+    universal = store.to_universal(path)
+    states = safety.load_safely(path / "mp_rank_00_model_states.pt")
+    shared = dict(states.get("shared_params") or {})
+    params = {name for group in states.get("param_shapes") or [] for name in group}
+    out: dict[str, torch.Tensor] = {}
+    for key, value in states["module"].items():
+        whole = universal / "zero" / key / "fp32.pt"
+        if key in shared:
+            continue
+        if key in params and not whole.is_file():
+            raise CheckpointError(
+                f"{universal} lacks the whole weight {key} (DeepSpeed's conversion left it out)"
+            )
+        out[key] = safety.load_safely(whole)["param"].float() if whole.is_file() else value
+    for alias, source in shared.items():
+        out[alias] = out[source]
+    return {key: out[key] for key in states["module"]}
 
 
 def save_hf_directory(ckpt: str | Path, out: str | Path, tokenizer: str | Path | None = None) -> Path:

@@ -93,6 +93,16 @@ def _whole_tensor_parallel(
             p.data = data
 
 
+def whole_shape(param: torch.Tensor) -> list[int]:
+    """The shape of `param` whole: before ZeRO-3 partitioned it (`ds_shape`) and before tensor
+    parallelism split it (the logical shape DeepSpeed's AutoTP records on the parameter)."""
+    from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META
+
+    logical = (getattr(param, DS_AUTOTP_UC_META, None) or {}).get("logical_shape")
+    shape = logical if logical is not None else getattr(param, "ds_shape", param.shape)
+    return [int(n) for n in shape]
+
+
 def fp32_masters(optimizer: Any) -> dict[int, torch.Tensor]:
     """{id(param): its fp32 master} from DeepSpeed's mixed-precision optimizer at ZeRO-0 (its
     `fp16_groups` / `fp32_groups`, kept side by side; empty for other optimizers)."""

@@ -1,0 +1,124 @@
+"""Checkpoints under tensor parallelism, through the CLI: a TP2 run killed with SIGKILL resumes to
+the uninterrupted run's weights and logs bit for bit; its checkpoint exports whole fp32 weights
+(`export --hf`) that `from_pretrained` reloads to the run's own validation loss; it resumes on one
+process (TP1) through DeepSpeed's universal format; what cannot be converted says so in one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from framework import checkpoint
+from framework.checkpoint import safety, store
+from framework.export import fp32_state_dict, main
+from framework.models import LMLoss
+from framework.plan import Mesh
+
+from .conftest import final_metrics, run_train
+from .test_checkpoint import SLOW, kill_after, records, start
+
+pytestmark = pytest.mark.timeout(600)
+
+MAX_CHARS = 12000  # ~170 training windows of 64 characters, 18 validation windows
+LLAMA = [
+    "model=hf_llama", "model.config.vocab_size=128", "data=chars", f"data.dataset.max_chars={MAX_CHARS}",
+    "loss=lm", "metrics=none", "trainer.batch_size=16", "trainer.max_steps=8", "trainer.log_freq=1",
+    "trainer.checkpoint.save_freq=3",
+]  # fmt: skip
+TP2 = [*LLAMA, "+strategy=tp2", "trainer.devices=2"]  # ZeRO-1, tensor parallel over both ranks
+
+
+def _validation_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    from framework.datasets import chars
+
+    valid = chars(block_size=64, max_chars=MAX_CHARS, val_fraction=0.1).valid
+    rows = [valid[i] for i in range(len(valid))]
+    return torch.stack([x for x, _ in rows]), torch.stack([y for _, y in rows])
+
+
+@pytest.fixture(scope="module")
+def tp2_run(tmp_path_factory) -> tuple[Path, list[str]]:
+    """One uninterrupted TP2 run (checkpoints at steps 3, 6 and 8); its dir and arguments."""
+    x, _ = _validation_batch()
+    args = [*TP2, f"trainer.valid_batch_size={len(x)}"]  # one validation batch: a plain mean to recompute
+    run_dir = tmp_path_factory.mktemp("tp2") / "full"
+    full = run_train(args, run_dir)
+    assert full.returncode == 0, full.stderr[-3000:]
+    return run_dir, args
+
+
+def _shards(path: Path) -> list[dict[str, torch.Tensor]]:
+    return [safety.load_safely(f)["module"] for f in sorted(path.glob("mp_rank_*_model_states.pt"))]
+
+
+def test_tp2_resumes_exactly_after_sigkill_and_exports_weights_that_reload(tp2_run, tmp_path):
+    run_dir, args = tp2_run
+    ckpts = run_dir / "checkpoints"
+    assert json.loads((ckpts / "step_00000008" / "COMPLETE.json").read_text())["tp_size"] == 2
+    killed = tmp_path / "killed"
+    reached = kill_after(start([*args, SLOW], killed), killed, 4)
+    assert reached < 8
+    resumed = run_train([*args, "trainer.resume=auto"], killed)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from step" in resumed.stdout
+    a, b = _shards(ckpts / "step_00000008"), _shards(killed / "checkpoints" / "step_00000008")
+    assert len(a) == len(b) == 2 and a[0].keys() == b[0].keys()
+    for shard_a, shard_b in zip(a, b):
+        for key in shard_a:
+            assert torch.equal(shard_a[key], shard_b[key]), (
+                f"{key} differs after resuming (killed at {reached})"
+            )
+    assert records(killed) == records(run_dir)
+
+    out = tmp_path / "hf"
+    assert main([str(ckpts), str(out), "--hf"]) == 0  # TP shards merged through the universal format
+    import transformers
+
+    model = transformers.LlamaForCausalLM.from_pretrained(str(out)).eval()
+    assert model.model.layers[0].mlp.down_proj.weight.shape == (128, 344)  # whole, not a rank's half
+    x, y = _validation_batch()
+    with torch.no_grad():
+        loss = float(LMLoss()(model(x).logits, y))
+    assert loss == pytest.approx(final_metrics(run_dir)["val_loss"], abs=1e-5)
+
+
+def test_a_tp2_checkpoint_continues_on_one_process_through_the_universal_format(tp2_run, tmp_path):
+    run_dir, _ = tp2_run
+    ckpts = run_dir / "checkpoints"
+    one = run_train([*LLAMA, "+strategy=zero1", f"trainer.resume={ckpts / 'step_00000003'}"], tmp_path)
+    assert one.returncode == 0, one.stderr[-3000:]
+    a, c = fp32_state_dict(ckpts), fp32_state_dict(tmp_path / "checkpoints")
+    assert a.keys() == c.keys()
+    for key in a:
+        torch.testing.assert_close(c[key], a[key], atol=2e-5, rtol=0, msg=f"{key} after a TP2 -> TP1 resume")
+
+
+def _fake_checkpoint(path: Path, zero_stage: int, tp_size: int) -> Path:
+    path.mkdir(parents=True)
+    for rank in range(tp_size):
+        torch.save({"module": {}}, path / f"mp_rank_{rank:02d}_model_states.pt")
+    meta = {"step": 3, "world_size": tp_size, "dp_size": 1, "tp_size": tp_size, "micro_batch_size": 4}
+    store.mark_complete(path, dict(meta, zero_stage=zero_stage, pipeline_stages=1))
+    return path
+
+
+def test_another_tensor_parallel_degree_needs_the_universal_format(tmp_path):
+    zero1 = _fake_checkpoint(tmp_path / "a" / "step_00000003", zero_stage=1, tp_size=2)
+    assert checkpoint.needs_universal(zero1, Mesh(2, 0, tp_size=1))  # dp 2, tp 1: another layout
+    assert checkpoint.needs_universal(zero1, Mesh(1, 0))
+    assert not checkpoint.needs_universal(zero1, Mesh(2, 0, tp_size=2))
+    zero0 = _fake_checkpoint(tmp_path / "b" / "step_00000003", zero_stage=0, tp_size=2)
+    assert not checkpoint.needs_universal(zero0, Mesh(1, 0))  # DeepSpeed converts ZeRO 1-3 only
+
+
+def test_a_zero0_tensor_parallel_checkpoint_exports_with_a_one_line_error(tmp_path, capsys):
+    path = _fake_checkpoint(tmp_path / "step_00000003", zero_stage=0, tp_size=2)
+    assert main([str(path), str(tmp_path / "w.safetensors")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "ZeRO-0 checkpoint split over 2 tensor-parallel ranks" in err
+    assert "Engine.save(path, training=False)" in err
+    shutil.rmtree(path)
