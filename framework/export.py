@@ -5,9 +5,10 @@
     python -m framework.export CKPT_DIR OUT_DIR --hf   # a Hugging Face save_pretrained directory
 
 ZeRO 1-3 shards are merged with DeepSpeed's own zero_to_fp32; a ZeRO-0 checkpoint already holds
-whole weights. A tensor-parallel checkpoint (ZeRO 1-3) is converted to DeepSpeed's universal
-format once (`<checkpoint>_universal/`, as for a resume on another layout), which holds every
-parameter whole in fp32 (zero_to_fp32 cannot merge tensor-parallel shards). OUT gets safetensors (`.safetensors`) or a torch state dict (any other suffix);
+whole weights. A tensor-parallel checkpoint (ZeRO 1-3) is converted once to DeepSpeed's universal
+format (`<checkpoint>_universal/`, as for a resume on another layout), which holds every
+parameter whole in fp32: zero_to_fp32 cannot merge tensor-parallel shards. OUT gets safetensors
+(`.safetensors`) or a torch state dict (any other suffix);
 `model.load_state_dict(load_weights(OUT), strict=True)` loads it. With `--hf` (the default for a
 checkpoint of a transformers model when OUT has no suffix) OUT_DIR gets `config.json` and
 safetensors weights that `AutoModelForCausalLM.from_pretrained(OUT_DIR)` loads (tied weights

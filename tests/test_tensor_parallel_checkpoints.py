@@ -1,7 +1,8 @@
-"""Checkpoints under tensor parallelism, through the CLI: a TP2 run killed with SIGKILL resumes to
-the uninterrupted run's weights and logs bit for bit; its checkpoint exports whole fp32 weights
-(`export --hf`) that `from_pretrained` reloads to the run's own validation loss; it resumes on one
-process (TP1) through DeepSpeed's universal format; what cannot be converted says so in one line."""
+"""Checkpoints under tensor parallelism, through the CLI: a TP2 run starts from whole weights
+(`trainer.init_from`), killed with SIGKILL it resumes to the uninterrupted run's weights and logs
+bit for bit; its checkpoint exports whole fp32 weights (`export --hf`, equal to what the live
+engine gathers) that `from_pretrained` reloads to the run's own validation loss; it continues on
+one process (TP1) through DeepSpeed's universal format; what cannot be converted says so in one line."""
 
 from __future__ import annotations
 
@@ -11,14 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
+from omegaconf import OmegaConf
 
-from framework import checkpoint
+from framework import Callback, checkpoint, construct
 from framework.checkpoint import safety, store
-from framework.export import fp32_state_dict, main
+from framework.export import fp32_state_dict, load_weights, main, save_weights
 from framework.models import LMLoss
 from framework.plan import Mesh
 
-from .conftest import final_metrics, run_train
+from .conftest import CONF, final_metrics, run_train
 from .test_checkpoint import SLOW, kill_after, records, start
 
 pytestmark = pytest.mark.timeout(600)
@@ -32,6 +35,20 @@ LLAMA = [
 TP2 = [*LLAMA, "+strategy=tp2", "trainer.devices=2"]  # ZeRO-1, tensor parallel over both ranks
 
 
+class LiveWeights(Callback):
+    """The running engine's consolidated weights (TP shards gathered live) when training starts
+    and when it ends: `start.safetensors`, `end.safetensors` in `dir`."""
+
+    def __init__(self, dir: str):
+        self.dir = Path(dir)
+
+    def on_fit_start(self, state, control):
+        control.save_weights(str(self.dir / "start.safetensors"))
+
+    def on_fit_end(self, state, control):
+        control.save_weights(str(self.dir / "end.safetensors"))
+
+
 def _validation_batch() -> tuple[torch.Tensor, torch.Tensor]:
     from framework.datasets import chars
 
@@ -42,12 +59,22 @@ def _validation_batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def tp2_run(tmp_path_factory) -> tuple[Path, list[str]]:
-    """One uninterrupted TP2 run (checkpoints at steps 3, 6 and 8); its dir and arguments."""
+    """One uninterrupted TP2 run (checkpoints at steps 3, 6 and 8) that starts from whole weights
+    (`trainer.init_from`: loaded into the shards); its dir and arguments."""
     x, _ = _validation_batch()
-    args = [*TP2, f"trainer.valid_batch_size={len(x)}"]  # one validation batch: a plain mean to recompute
-    run_dir = tmp_path_factory.mktemp("tp2") / "full"
-    full = run_train(args, run_dir)
+    root = tmp_path_factory.mktemp("tp2")
+    config = construct.instantiate(OmegaConf.load(CONF / "model" / "hf_llama.yaml").config)
+    config.vocab_size = 128
+    torch.manual_seed(7)
+    save_weights(transformers.LlamaForCausalLM(config).state_dict(), root / "init.safetensors")
+    args = [*TP2, f"trainer.init_from={root / 'init.safetensors'}", f"trainer.valid_batch_size={len(x)}"]
+    run_dir = root / "full"
+    live = f"+callbacks.live={{_target_:{__name__}.LiveWeights,dir:{run_dir}}}"
+    full = run_train([*args, live], run_dir)
     assert full.returncode == 0, full.stderr[-3000:]
+    init, start = load_weights(root / "init.safetensors"), load_weights(run_dir / "start.safetensors")
+    for key in init:
+        assert torch.equal(start[key], init[key]), f"{key} was not loaded whole into the TP shards"
     return run_dir, args
 
 
@@ -76,10 +103,12 @@ def test_tp2_resumes_exactly_after_sigkill_and_exports_weights_that_reload(tp2_r
 
     out = tmp_path / "hf"
     assert main([str(ckpts), str(out), "--hf"]) == 0  # TP shards merged through the universal format
-    import transformers
-
     model = transformers.LlamaForCausalLM.from_pretrained(str(out)).eval()
     assert model.model.layers[0].mlp.down_proj.weight.shape == (128, 344)  # whole, not a rank's half
+    live = load_weights(run_dir / "end.safetensors")  # what the running TP2 engine gathered
+    assert live.keys() == model.state_dict().keys()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, live[key]), f"{key}: the export differs from the live engine's weights"
     x, y = _validation_batch()
     with torch.no_grad():
         loss = float(LMLoss()(model(x).logits, y))
