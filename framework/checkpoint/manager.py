@@ -126,8 +126,6 @@ def _differences(path: Path, saved: dict[str, Any], now: dict[str, Any]) -> str 
 
 
 HF_CONFIG = "hf_config"  # a Hugging Face model's config.json, for `framework.export --hf`
-
-
 HF_PREFIX = "weights_prefix"  # in HF_CONFIG: where the HF model sits in a wrapper's state dict ("lm.")
 
 
@@ -263,27 +261,7 @@ def _load(parts: Stateful, path: Path) -> None:
     difference = _differences(path, meta["setup"], setup_record(runtime)) if "setup" in meta else None
     if difference:
         raise CheckpointError(difference)
-    same_layout = (
-        _layout(meta) == (runtime.dp_size, runtime.mesh.tp_size)
-        and int(meta["world_size"]) == dev.world_size()
-    )
-    load_path = path
-    if not same_layout and _tp_split_unconvertible(meta, runtime.mesh.tp_size):
-        raise CheckpointError(
-            f"checkpoint {path} holds ZeRO-0 weights split over {_layout(meta)[1]} tensor-parallel ranks and "
-            f"this run uses {runtime.mesh.tp_size}; DeepSpeed converts only ZeRO 1-3 checkpoints to another "
-            f"tensor-parallel degree: resume with strategy.tensor_parallel.degree={_layout(meta)[1]}"
-        )
-    if not same_layout and int(meta["zero_stage"]) > 0:  # ZeRO-0 files are whole on every rank
-        if not runtime.load_universal:
-            raise CheckpointError(
-                f"checkpoint {path} holds ZeRO partitions for {meta['dp_size']} data-parallel x "
-                f"{_layout(meta)[1]} tensor-parallel ranks and this engine was already built for "
-                f"{runtime.dp_size} x {runtime.mesh.tp_size}: load it before anything else runs "
-                "(Engine.load or fit(resume=...) first)"
-            )
-        load_path = store.to_universal(path)
-        store.check(load_path)
+    load_path, same_layout = _source(runtime, path, meta)
     try:
         loaded = runtime.load_checkpoint(str(load_path.parent), load_path.name)
     except (ConfigError, CheckpointError):
@@ -322,10 +300,30 @@ def _layout(meta: dict[str, Any]) -> tuple[int, int]:
     return int(meta["dp_size"]), int(meta.get("tp_size", 1))
 
 
-def _tp_split_unconvertible(meta: dict[str, Any], tp_size: int) -> bool:
-    """A ZeRO-0 checkpoint whose weights are split over another tensor-parallel degree: its files
-    fit no other degree, and DeepSpeed's universal conversion reads ZeRO 1-3 checkpoints only."""
-    return int(meta["zero_stage"]) == 0 and _layout(meta)[1] != tp_size
+def _source(runtime: Runtime, path: Path, meta: dict[str, Any]) -> tuple[Path, bool]:
+    """Where DeepSpeed loads checkpoint `path` from for this run, and whether the run has its
+    layout: the checkpoint, or its universal conversion for another data- or tensor-parallel
+    degree (ZeRO 1-3; ZeRO-0 files are whole on every rank of one tensor-parallel degree)."""
+    (dp, tp), now = _layout(meta), (runtime.dp_size, runtime.mesh.tp_size)
+    if (dp, tp) == now and int(meta["world_size"]) == dev.world_size():
+        return path, True
+    if int(meta["zero_stage"]) == 0 and tp != now[1]:
+        raise CheckpointError(
+            f"checkpoint {path} holds ZeRO-0 weights split over {tp} tensor-parallel ranks and this run "
+            f"uses {now[1]}; DeepSpeed converts only ZeRO 1-3 checkpoints to another tensor-parallel "
+            f"degree: resume with strategy.tensor_parallel.degree={tp}"
+        )
+    if int(meta["zero_stage"]) == 0:
+        return path, False
+    if not runtime.load_universal:
+        raise CheckpointError(
+            f"checkpoint {path} holds ZeRO partitions for {dp} data-parallel x {tp} tensor-parallel ranks "
+            f"and this engine was already built for {now[0]} x {now[1]}: load it before anything else "
+            "runs (Engine.load or fit(resume=...) first)"
+        )
+    universal = store.to_universal(path)
+    store.check(universal)
+    return universal, False
 
 
 def needs_universal(path: Path, mesh: Mesh) -> bool:
