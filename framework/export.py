@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -58,14 +59,17 @@ def fp32_state_dict(ckpt: str | Path) -> dict[str, torch.Tensor]:
 
 
 def _tp_size(path: Path, meta: dict) -> int:
-    """The tensor-parallel degree a checkpoint was saved with (each TP rank writes its model states)."""
-    return int(meta.get("tp_size") or len(list(path.glob("mp_rank_*_model_states.pt"))) or 1)
+    """The tensor-parallel degree a checkpoint was saved with (each TP rank writes model states)."""
+    ranks = {
+        re.search(r"mp_rank_(\d+)_model_states", f.name) for f in path.glob("*mp_rank_*_model_states.pt")
+    }
+    return int(meta.get("tp_size") or len({m.group(1) for m in ranks if m}) or 1)
 
 
 def _tensor_parallel_state_dict(path: Path, meta: dict) -> dict[str, torch.Tensor]:
     """Whole fp32 weights of a tensor-parallel checkpoint, from its universal conversion: each
     parameter's `zero/<name>/fp32.pt`; buffers (never split) and the second names of tied
-    weights from rank 0's model states, in its key order."""
+    weights from the first rank's model states, in its key order."""
     if int(meta["zero_stage"]) == 0:
         raise ConfigError(
             f"{path} is a ZeRO-0 checkpoint split over {_tp_size(path, meta)} tensor-parallel ranks, which DeepSpeed "
@@ -73,7 +77,8 @@ def _tensor_parallel_state_dict(path: Path, meta: dict) -> dict[str, torch.Tenso
             "with strategy.sharding.stage=1 or more"
         )
     universal = store.to_universal(path)
-    states = safety.load_safely(path / "mp_rank_00_model_states.pt")
+    names = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")  # ZeRO 1-2, 3
+    states = safety.load_safely(next((path / n for n in names if (path / n).is_file()), path / names[0]))
     shared = dict(states.get("shared_params") or {})
     params = {name for group in states.get("param_shapes") or [] for name in group}
     out: dict[str, torch.Tensor] = {}

@@ -151,3 +151,27 @@ def test_a_zero0_tensor_parallel_checkpoint_exports_with_a_one_line_error(tmp_pa
     assert "\n" not in err and "ZeRO-0 checkpoint split over 2 tensor-parallel ranks" in err
     assert "Engine.save(path, training=False)" in err
     shutil.rmtree(path)
+
+
+def test_export_reads_whole_weights_of_a_zero3_tensor_parallel_checkpoint(tmp_path):
+    # ZeRO-3 names the model states zero_pp_rank_<dp>_mp_rank_<tp>_...; its parameters there are
+    # empty, their whole fp32 values are in the universal conversion (made here as DeepSpeed does)
+    path = tmp_path / "step_00000003"
+    path.mkdir()
+    whole = {"w": torch.randn(4, 2), "v": torch.randn(4)}
+    for tp in range(2):
+        module = {"w": torch.empty(0), "buf": torch.arange(3.0), "v": torch.empty(0)}
+        states = {"module": module, "param_shapes": [{"w": (2, 2), "v": (4,)}], "shared_params": {}}
+        torch.save(states, path / f"zero_pp_rank_0_mp_rank_{tp:02d}_model_states.pt")
+    meta = {"step": 3, "world_size": 2, "dp_size": 1, "tp_size": 2, "micro_batch_size": 4, "zero_stage": 3}
+    store.mark_complete(path, meta)
+    universal = tmp_path / "step_00000003_universal"
+    for name, value in whole.items():
+        (universal / "zero" / name).mkdir(parents=True)
+        torch.save({"param": value}, universal / "zero" / name / "fp32.pt")
+    converted = dict(meta, converted_from=safety.sha256(path / store.COMPLETE))
+    (universal / store.COMPLETE).write_text(json.dumps(converted))
+    out = fp32_state_dict(path)
+    assert list(out) == ["w", "buf", "v"]
+    assert torch.equal(out["w"], whole["w"]) and torch.equal(out["v"], whole["v"])
+    assert torch.equal(out["buf"], torch.arange(3.0))
