@@ -7,7 +7,8 @@
 ZeRO 1-3 shards are merged with DeepSpeed's own zero_to_fp32; a ZeRO-0 checkpoint already holds
 whole weights. A tensor-parallel checkpoint (ZeRO 1-3) is converted once to DeepSpeed's universal
 format (`<checkpoint>_universal/`, as for a resume on another layout), which holds every
-parameter whole in fp32: zero_to_fp32 cannot merge tensor-parallel shards. OUT gets safetensors
+parameter whole in fp32 (zero_to_fp32 cannot merge tensor-parallel shards); a ZeRO-0 one is put
+together from its ranks' shards by the split map AutoTP saved in it. OUT gets safetensors
 (`.safetensors`) or a torch state dict (any other suffix);
 `model.load_state_dict(load_weights(OUT), strict=True)` loads it. With `--hf` (the default for a
 checkpoint of a transformers model when OUT has no suffix) OUT_DIR gets `config.json` and
@@ -70,12 +71,8 @@ def _tensor_parallel_state_dict(path: Path, meta: dict) -> dict[str, torch.Tenso
     """Whole fp32 weights of a tensor-parallel checkpoint, from its universal conversion: each
     parameter's `zero/<name>/fp32.pt`; buffers (never split) and the second names of tied
     weights from the first rank's model states, in its key order."""
-    if int(meta["zero_stage"]) == 0:
-        raise ConfigError(
-            f"{path} is a ZeRO-0 checkpoint split over {_tp_size(path, meta)} tensor-parallel ranks, which DeepSpeed "
-            "cannot merge offline: export it from Python with Engine.save(path, training=False), or train "
-            "with strategy.sharding.stage=1 or more"
-        )
+    if int(meta["zero_stage"]) == 0:  # DeepSpeed's conversion reads ZeRO 1-3 checkpoints only
+        return _merged_zero0_shards(path, _tp_size(path, meta))
     universal = store.to_universal(path)
     names = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")  # ZeRO 1-2, 3
     states = safety.load_safely(next((path / n for n in names if (path / n).is_file()), path / names[0]))
@@ -94,6 +91,35 @@ def _tensor_parallel_state_dict(path: Path, meta: dict) -> dict[str, torch.Tenso
     for alias, source in shared.items():
         out[alias] = out[source]
     return {key: out[key] for key in states["module"]}
+
+
+def _merged_zero0_shards(path: Path, tp: int) -> dict[str, torch.Tensor]:
+    """A ZeRO-0 tensor-parallel checkpoint: each TP rank's model states hold its shard of every
+    parameter (its fp32 masters beside them under mixed precision); the affine map AutoTP saved
+    with them says which piece of the whole parameter each rank holds (DeepSpeed's own rebuild).
+    An unsplit tensor must be the same on every rank."""
+    from deepspeed.checkpoint.affine import ParamAffineMap
+
+    ranks = [safety.load_safely(path / f"mp_rank_{r:02d}_model_states.pt") for r in range(tp)]
+    shards = [
+        _with_fp32_masters({k: v.float() if v.is_floating_point() else v for k, v in s["module"].items()}, s)
+        for s in ranks
+    ]
+    maps = ((ranks[0].get("universal_checkpoint_info") or {}).get("affine_map") or {}).get("params") or {}
+    shared = dict(ranks[0].get("shared_params") or {})
+    out: dict[str, torch.Tensor] = {}
+    for key in (k for k in shards[0] if k not in shared):
+        entry = next((e for pattern, e in maps.items() if re.fullmatch(pattern, key)), None)
+        if entry is not None:
+            out[key] = ParamAffineMap.from_dict(entry).rebuild({r: s[key] for r, s in enumerate(shards)})
+        elif all(torch.equal(s[key], shards[0][key]) for s in shards):
+            out[key] = shards[0][key]
+        else:
+            raise CheckpointError(
+                f"{path}: {key} differs between tensor-parallel ranks and no map says how it is split"
+            )
+    out.update({alias: out[source] for alias, source in shared.items()})
+    return {key: out[key] for key in shards[0]}
 
 
 def save_hf_directory(ckpt: str | Path, out: str | Path, tokenizer: str | Path | None = None) -> Path:

@@ -7,7 +7,6 @@ one process (TP1) through DeepSpeed's universal format; what cannot be converted
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -142,15 +141,40 @@ def test_another_tensor_parallel_degree_needs_the_universal_format(tmp_path):
     assert not checkpoint.needs_universal(zero1, Mesh(2, 0, tp_size=2))
     zero0 = _fake_checkpoint(tmp_path / "b" / "step_00000003", zero_stage=0, tp_size=2)
     assert not checkpoint.needs_universal(zero0, Mesh(1, 0))  # DeepSpeed converts ZeRO 1-3 only
+    assert checkpoint.needs_universal(zero1, Mesh(4, 0, tp_size=2))  # TP2 x DP2
 
 
-def test_a_zero0_tensor_parallel_checkpoint_exports_with_a_one_line_error(tmp_path, capsys):
-    path = _fake_checkpoint(tmp_path / "step_00000003", zero_stage=0, tp_size=2)
-    assert main([str(path), str(tmp_path / "w.safetensors")]) == 1
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "ZeRO-0 checkpoint split over 2 tensor-parallel ranks" in err
-    assert "Engine.save(path, training=False)" in err
-    shutil.rmtree(path)
+def test_a_zero0_tensor_parallel_checkpoint_exports_whole_weights(tmp_path):
+    # ZeRO-0 has no universal conversion: each rank's shards are put together by the affine map
+    # AutoTP saves in the checkpoint (built here with DeepSpeed's own map functions)
+    from deepspeed.checkpoint.affine import contiguous_split_map, replicated_map
+
+    whole = {"col": torch.randn(4, 2), "row": torch.randn(2, 4), "norm": torch.randn(3)}
+    maps = {
+        "^col$": contiguous_split_map((4, 2), [2, 2], 0).to_dict(),
+        "^row$": contiguous_split_map((2, 4), [2, 2], 1).to_dict(),
+        "^norm$": replicated_map((3,), 2).to_dict(),
+    }
+    path = tmp_path / "step_00000003"
+    path.mkdir()
+    for tp in range(2):
+        module = {
+            "col": whole["col"][2 * tp : 2 * tp + 2].clone(),
+            "row": whole["row"][:, 2 * tp : 2 * tp + 2].clone(),
+            "norm": whole["norm"].clone(),
+            "buf": torch.arange(3.0),
+        }
+        info = {"affine_map": {"version": 1, "params": maps}}
+        torch.save(
+            {"module": module, "universal_checkpoint_info": info}, path / f"mp_rank_{tp:02d}_model_states.pt"
+        )
+    meta = {"step": 3, "world_size": 2, "dp_size": 1, "tp_size": 2, "micro_batch_size": 4, "zero_stage": 0}
+    store.mark_complete(path, meta)
+    assert main([str(path), str(tmp_path / "w.safetensors")]) == 0
+    out = load_weights(tmp_path / "w.safetensors")
+    assert set(out) == {"col", "row", "norm", "buf"} and torch.equal(out["buf"], torch.arange(3.0))
+    for key, value in whole.items():
+        assert torch.equal(out[key], value), key
 
 
 def test_export_reads_whole_weights_of_a_zero3_tensor_parallel_checkpoint(tmp_path):

@@ -311,7 +311,8 @@ def _source(runtime: Runtime, path: Path, meta: dict[str, Any]) -> tuple[Path, b
         raise CheckpointError(
             f"checkpoint {path} holds ZeRO-0 weights split over {tp} tensor-parallel ranks and this run "
             f"uses {now[1]}; DeepSpeed converts only ZeRO 1-3 checkpoints to another tensor-parallel "
-            f"degree: resume with strategy.tensor_parallel.degree={tp}"
+            f"degree: resume with strategy.tensor_parallel.degree={tp}, or start from its weights: python -m "
+            f"framework.export {path} weights.safetensors, then trainer.init_from=weights.safetensors"
         )
     if int(meta["zero_stage"]) == 0:
         return path, False
