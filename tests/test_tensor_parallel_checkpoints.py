@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +16,8 @@ import transformers
 from omegaconf import OmegaConf
 
 from framework import Callback, checkpoint, construct
-from framework.checkpoint import safety, store
+from framework.checkpoint import manager, safety, store
+from framework.errors import CheckpointError
 from framework.export import fp32_state_dict, load_weights, main, save_weights
 from framework.models import LMLoss
 from framework.plan import Mesh
@@ -142,6 +144,11 @@ def test_another_tensor_parallel_degree_needs_the_universal_format(tmp_path):
     zero0 = _fake_checkpoint(tmp_path / "b" / "step_00000003", zero_stage=0, tp_size=2)
     assert not checkpoint.needs_universal(zero0, Mesh(1, 0))  # DeepSpeed converts ZeRO 1-3 only
     assert checkpoint.needs_universal(zero1, Mesh(4, 0, tp_size=2))  # TP2 x DP2
+    one_rank = SimpleNamespace(dp_size=1, mesh=Mesh(1, 0), load_universal=True)  # what loading reads of a run
+    with pytest.raises(
+        CheckpointError, match="ZeRO-0 weights split over 2 tensor-parallel ranks, this run uses 1"
+    ):
+        manager._source(one_rank, zero0, store.read_meta(zero0))
 
 
 def test_a_zero0_tensor_parallel_checkpoint_exports_whole_weights(tmp_path):

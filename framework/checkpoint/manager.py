@@ -301,26 +301,26 @@ def _layout(meta: dict[str, Any]) -> tuple[int, int]:
 
 
 def _source(runtime: Runtime, path: Path, meta: dict[str, Any]) -> tuple[Path, bool]:
-    """Where DeepSpeed loads checkpoint `path` from for this run, and whether the run has its
-    layout: the checkpoint, or its universal conversion for another data- or tensor-parallel
-    degree (ZeRO 1-3; ZeRO-0 files are whole on every rank of one tensor-parallel degree)."""
+    """Where DeepSpeed loads checkpoint `path` from for this run (it, or its universal conversion for
+    another data- or tensor-parallel degree), and whether this run has the checkpoint's layout."""
     (dp, tp), now = _layout(meta), (runtime.dp_size, runtime.mesh.tp_size)
     if (dp, tp) == now and int(meta["world_size"]) == dev.world_size():
         return path, True
-    if int(meta["zero_stage"]) == 0 and tp != now[1]:
+    if int(meta["zero_stage"]) == 0:  # whole weights for one tensor-parallel degree
+        if tp == now[1]:
+            return path, False
         raise CheckpointError(
-            f"checkpoint {path} holds ZeRO-0 weights split over {tp} tensor-parallel ranks and this run "
-            f"uses {now[1]}; DeepSpeed converts only ZeRO 1-3 checkpoints to another tensor-parallel "
-            f"degree: resume with strategy.tensor_parallel.degree={tp}, or start from its weights: python -m "
+            f"checkpoint {path} holds ZeRO-0 weights split over {tp} tensor-parallel ranks, this run uses {now[1]} "
+            f"(DeepSpeed converts ZeRO 1-3 only): resume with strategy.tensor_parallel.degree={tp}, or python -m "
             f"framework.export {path} weights.safetensors, then trainer.init_from=weights.safetensors"
         )
-    if int(meta["zero_stage"]) == 0:
-        return path, False
     if not runtime.load_universal:
+        was, built = (
+            f"{d} data-parallel" + (f" x {t} tensor-parallel" if t > 1 else "") for d, t in ((dp, tp), now)
+        )
         raise CheckpointError(
-            f"checkpoint {path} holds ZeRO partitions for {dp} data-parallel x {tp} tensor-parallel ranks "
-            f"and this engine was already built for {now[0]} x {now[1]}: load it before anything else "
-            "runs (Engine.load or fit(resume=...) first)"
+            f"checkpoint {path} holds ZeRO partitions for {was} ranks and this engine was already built for "
+            f"{built}: load it before anything else runs (Engine.load or fit(resume=...) first)"
         )
     universal = store.to_universal(path)
     store.check(universal)
