@@ -24,7 +24,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from framework import checkpoint, construct, runlog, slurm
+from framework import checkpoint, construct, parallel, runlog, slurm
 from framework import device as dev
 from framework.callbacks import Callback
 from framework.checkpoint import preemption
@@ -35,7 +35,7 @@ from framework.fit_config import FitConfig
 from framework.integrations import hf
 from framework.launch import check_launched_devices
 from framework.loggers import MetricsFile
-from framework.plan import batch_layout
+from framework.plan import batch_layout, mesh_of
 from framework.runtime import Runtime
 from framework.state import LoopState
 from framework.strategy import Strategy
@@ -57,6 +57,7 @@ def validate(cfg: DictConfig, world_size: int) -> Strategy:
     """Checks that need no process group: schema, strategy, batch split over `world_size`."""
     check_schema(cfg)
     strategy = build_strategy(cfg)
+    mesh_of(strategy, world_size)  # degrees that do not divide the processes: the strategy's error
     _with_key("trainer.batch_size", batch_layout, strategy, int(cfg.trainer.batch_size), world_size)
     return strategy
 
@@ -266,14 +267,14 @@ def print_plan(engine: Engine) -> None:
     """What `+dry_run=true` prints: per-rank model-state memory and the DeepSpeed config."""
     cost = engine.cost("train")
     runtime = engine.runtime
+    parallel.check_model(runtime.strategy, runtime.mesh, engine.module)  # what training would refuse
     print(
         f"{type(engine.module).__name__}: {cost['parameters']:,} parameters (largest tensor "
-        f"{cost['largest_parameter']:,}) | {runtime.strategy.describe()} | {runtime.world_size} process(es), "
-        f"{cost['data_parallel_size']} data-parallel"
+        f"{cost['largest_parameter']:,}) | {runtime.strategy.describe()} | {runtime.mesh.describe()}"
     )
     parts = ("params_bytes", "grads_bytes", "optimizer_bytes", "buffer_bytes")
     print(
-        "per-rank model states: "
+        f"per-rank model states ({cost['parameters_per_rank']:,} parameters): "
         + ", ".join(f"{k.removesuffix('_bytes')} {_size(cost[k])}" for k in parts)
         + f" = {_size(cost['total_bytes'])} (device {_size(cost['device_bytes'])}, cpu {_size(cost['cpu_bytes'])})"
     )
@@ -360,6 +361,7 @@ def train(cfg: DictConfig, output_dir: str | None, context: dict[str, Any] | Non
     dev.use_tf32(bool(t.tf32))
     runtime = Runtime(build_strategy(cfg))
     with dev.process_group(timeout_s=t.timeout_s), contextlib.ExitStack() as console_copy:
+        runtime.mesh  # noqa: B018  degrees that do not divide the processes: the strategy's own error
         _with_key("trainer.batch_size", runtime.fix_layout, int(t.batch_size))
         if dev.launched():
             check_launched_devices(int(t.devices))

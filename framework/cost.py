@@ -18,6 +18,10 @@ partition during the (boundary) backward and frees the full one, as at stage 2, 
 take p Ψ / N there too (measured); with accumulation they stay whole until the step.
 
 Offloaded parts live in CPU memory instead of the device's.
+
+Under tensor parallelism of degree T, the parameters its plan splits count 1/T on a rank, and
+N is the data-parallel degree that is left (processes / T); expert parallelism of degree E
+divides the experts' parameters by E. Sequence parallelism splits activations, not model states.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Any
 import torch
 
 from framework.ds_config import chosen_sizes
+from framework.parallel import split_numel
 from framework.plan import mesh_of
 from framework.strategy import Strategy
 
@@ -68,10 +73,15 @@ def model_state_bytes(
     largest_param: int,
     world_size: int,
     optimizer_bytes_per_param: int = 8,
+    tp_split: int = 0,
+    ep_split: int = 0,
 ) -> dict[str, int]:
-    """Estimated bytes of parameters, gradients and optimizer states on each rank (see module doc)."""
-    n = mesh_of(strategy, world_size).dp_size
+    """Estimated bytes of parameters, gradients and optimizer states on each rank (see module
+    doc). `tp_split` / `ep_split`: the parameters tensor / expert parallelism splits."""
+    mesh = mesh_of(strategy, world_size)
+    n = mesh.dp_size
     psi = num_params if not strategy.uses_pipeline else num_params // strategy.pipeline.stages
+    psi -= tp_split - tp_split // mesh.tp_size + ep_split - ep_split // mesh.ep_size
     amp = strategy.amp.enable
     p = 2 if amp else 4
     stage = strategy.sharding.stage
@@ -105,6 +115,7 @@ def model_state_bytes(
         "device_bytes": int(params_device + grads + optim_device + buffers),
         "cpu_bytes": int(cpu),
         "data_parallel_size": n,
+        "parameters_per_rank": int(psi),
     }
 
 
@@ -139,7 +150,8 @@ def estimate(
     k = optimizer_state_bytes_per_param(optimizer) if optimizer is not None else 8
     if mode != "train":
         k = 0
-    result: dict[str, Any] = model_state_bytes(strategy, numel, largest, world_size, k)
+    tp_split, ep_split = split_numel(module, strategy)
+    result: dict[str, Any] = model_state_bytes(strategy, numel, largest, world_size, k, tp_split, ep_split)
     if mode != "train":
         result["grads_bytes"] = 0
         result["total_bytes"] = result["params_bytes"] + result["optimizer_bytes"]

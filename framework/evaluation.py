@@ -194,12 +194,13 @@ def predict(
         unpadded = int(sum(pulled))  # an evaluation shard pads only its last batches: real samples first
         if outputs is not None and unpadded:
             mine.append(map_tensors(lambda t: t.detach().cpu(), take(outputs, unpadded)))
-    return _in_dataset_order(mine, batch_size)
+    return _in_dataset_order(mine, batch_size, host.runtime.mesh.mp_size)
 
 
-def _in_dataset_order(mine: list[Any], batch_size: int) -> list[Any]:
-    """Every rank's outputs interleaved back into dataset order, cut into global batches."""
-    shards = [concat(s) if s else None for s in dev.all_gather_object(mine)]
+def _in_dataset_order(mine: list[Any], batch_size: int, mp_size: int = 1) -> list[Any]:
+    """Every data-parallel replica's outputs interleaved back into dataset order, cut into global
+    batches (the `mp_size` tensor-parallel ranks of a replica hold the same outputs: one counts)."""
+    shards = [concat(s) if s else None for s in dev.all_gather_object(mine)][::mp_size]
     present = [s for s in shards if s is not None]
     if not present:
         return []

@@ -12,8 +12,11 @@ and the logged loss, is the sum over items divided by that global count:
     micro-batch loss x  n_micro x ranks x accumulation / N_global     (a loss that averages)
     micro-batch loss x            ranks x accumulation / N_global     (a loss with reduction="sum")
 
+where ranks are the data-parallel x sequence-parallel ranks (each of the latter holds a slice of
+every sequence and counts its own items; tensor-parallel ranks hold the same items).
+
 Which losses count items: `loss=model` (labels != -100; shifted by one for a causal LM, as its
-loss is), a loss function with an `ignore_index` (`torch.nn.CrossEntropyLoss`, `NLLLoss`,
+loss is, unless the batch gives Hugging Face's pre-shifted `shift_labels`), a loss function with an `ignore_index` (`torch.nn.CrossEntropyLoss`, `NLLLoss`,
 the framework's `LMLoss`) and integer labels, and any loss with `reduction == "sum"` (items:
 labels != -100 for integer labels, else samples). Other losses average over samples, and every
 training micro-batch holds the same number of samples, so they need no weight. The counts are
@@ -22,12 +25,13 @@ device tensors all-reduced without a host sync.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from framework import device as dev
+from framework import sequence_parallel
 from framework.outputs import is_model_loss, predicts_next_token, split
 from framework.plan import Mesh
 
@@ -54,9 +58,10 @@ def reduction_of(loss: Any) -> str | None:
     return None
 
 
-def counted_items(labels: Any, loss: Any, module: Any) -> torch.Tensor | None:
+def counted_items(labels: Any, loss: Any, module: Any, shifted: bool = False) -> torch.Tensor | None:
     """The items of one micro-batch `loss` averages (or sums) over, as a 0-d tensor on the
-    labels' device, or None when the loss needs no weighting."""
+    labels' device, or None when the loss needs no weighting. `shifted`: the labels are already
+    aligned with the positions that predict them (Hugging Face's `shift_labels`)."""
     reduction = reduction_of(loss)
     if reduction is None or not isinstance(labels, torch.Tensor):
         return None
@@ -65,20 +70,30 @@ def counted_items(labels: Any, loss: Any, module: Any) -> torch.Tensor | None:
             return None
         return torch.tensor(float(labels.shape[0]), device=labels.device)
     ignore = getattr(_loss_fn(loss), "ignore_index", IGNORE_INDEX)
-    if is_model_loss(loss) and predicts_next_token(module) and labels.dim() > 1:
+    if is_model_loss(loss) and predicts_next_token(module) and labels.dim() > 1 and not shifted:
         labels = labels[..., 1:]  # a causal LM scores position t against label t + 1
     return (labels != ignore).sum().to(torch.float64)
+
+
+def _items_of(batch: Any, loss: Any, module: Any, label_key: str) -> torch.Tensor | None:
+    shifted = batch.get("shift_labels") if isinstance(batch, Mapping) and is_model_loss(loss) else None
+    if isinstance(shifted, torch.Tensor):  # what a Hugging Face model's loss scores, as given
+        return counted_items(shifted, loss, module, shifted=True)
+    return counted_items(split(batch, label_key)[2], loss, module)
 
 
 def step_weights(
     micro_batches: Sequence[Any], loss: Any, module: Any, label_key: str, mesh: Mesh, zero_stage: int = 0
 ) -> list[torch.Tensor] | None:
     """One weight per micro-batch of an optimizer step on this rank (see the module doc), or
-    None when the loss needs none. Tensor-parallel ranks hold the same items (counted once).
-    Collective over all ranks: every rank calls it once per optimizer step, with the same
-    number of micro-batches."""
-    ranks, copies = mesh.dp_size, mesh.tp_size  # what DeepSpeed averages over; who holds an item
-    counts = [counted_items(split(batch, label_key)[2], loss, module) for batch in micro_batches]
+    None when the loss needs none. Tensor-parallel ranks hold the same items (counted once);
+    sequence-parallel ranks each count their slice (`framework.sequence_parallel`, whose
+    `gradient_share` corrects ZeRO 0-2's gradient sum over them). Collective over all ranks:
+    every rank calls it once per optimizer step, with the same number of micro-batches."""
+    ranks, copies = mesh.dp_size * mesh.sp_size, mesh.tp_size  # whose losses add up; who holds an item
+    if mesh.sp_size > 1:
+        micro_batches = [sequence_parallel.shard(batch, mesh, label_key) for batch in micro_batches]
+    counts = [_items_of(batch, loss, module, label_key) for batch in micro_batches]
     if not counts or any(c is None for c in counts):
         return None
     local = torch.stack([c for c in counts if c is not None])

@@ -19,7 +19,6 @@ from framework import checkpoint, watchdog
 from framework import data as data_lib
 from framework import device as dev
 from framework.callbacks import Callback, CallbackList, Control, Event
-from framework.cost import param_counts
 from framework.errors import NonFiniteLoss
 from framework.evaluation import Host, evaluate
 from framework.fit_config import FitConfig
@@ -138,7 +137,7 @@ def _start_run(host: Host, cfg: FitConfig, plan: RunPlan) -> None:
     )
     assert runtime.module is not None
     st.info.model_name = type(runtime.module).__name__
-    st.info.parameters = param_counts(runtime.module)[0]
+    st.info.parameters = runtime.parameters
     st.info.strategy, st.info.world_size = runtime.strategy.describe(), runtime.world_size
     st.info.device_type, st.info.deepspeed_config = dev.device().type, dict(runtime.config or {})
 

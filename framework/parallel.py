@@ -8,11 +8,16 @@ one-line error instead of a shape error deep in a forward), and which plan split
 
 from __future__ import annotations
 
+import re
+
+import torch
 from torch import nn
 
+from framework import device as dev
+from framework import sequence_parallel
 from framework.errors import ConfigError
 from framework.plan import Mesh
-from framework.strategy import Strategy
+from framework.strategy import Strategy, parse_tp_style
 from framework.weights import is_hf_model
 
 # Where a model states its head and expert counts: Hugging Face config names, then ours.
@@ -53,6 +58,43 @@ def tp_plan_of(strategy: Strategy, module: nn.Module) -> dict[str, str] | None:
     )
 
 
+def _plan_regexes(plan: dict[str, str]) -> list[re.Pattern[str]]:
+    """The module-name patterns of a plan's split layers (`*` = one name part)."""
+    out = []
+    for pattern, style in plan.items():
+        if parse_tp_style(pattern, style)[0] == "replicate":
+            continue
+        parts = ("[^.]+" if part == "*" else re.escape(part) for part in pattern.split("."))
+        out.append(re.compile(r"^(.*\.)?" + r"\.".join(parts) + r"\.(weight|bias)$"))
+    return out
+
+
+def split_numel(module: nn.Module, strategy: Strategy) -> tuple[int, int]:
+    """(parameters tensor parallelism splits, parameters expert parallelism splits) of `module`
+    under `strategy`, for the memory estimate. Without a plan (a Hugging Face model's own
+    `tp_plan`), the linear layers inside repeated blocks count as split, as they do under the
+    usual column / row plans; experts are the parameters under an `experts` module."""
+    tp, ep = strategy.tensor_parallel.degree, strategy.expert_parallel.degree
+    named = [(name, p.numel()) for name, p in module.named_parameters()]
+    tp_split = ep_split = 0
+    if tp > 1:
+        plan = strategy.tensor_parallel.plan or getattr(module, "tensor_parallel_plan", None)
+        if plan:
+            regexes = _plan_regexes(dict(plan))
+            tp_split = sum(n for name, n in named if any(r.match(name) for r in regexes))
+        else:
+            linears = {
+                f"{mod_name}.{p_name}"
+                for mod_name, mod in module.named_modules()
+                if isinstance(mod, nn.Linear) and re.search(r"\.\d+\.", f".{mod_name}.")
+                for p_name, _ in mod.named_parameters(recurse=False)
+            }
+            tp_split = sum(n for name, n in named if name in linears)
+    if ep > 1:
+        ep_split = sum(n for name, n in named if ".experts." in f".{name}")
+    return tp_split, ep_split
+
+
 def check_model(strategy: Strategy, mesh: Mesh, module: nn.Module) -> None:
     """One-line errors for degrees the model cannot take (heads, key-value heads, experts)."""
     heads = _config_value(module, _HEADS)
@@ -66,6 +108,8 @@ def check_model(strategy: Strategy, mesh: Mesh, module: nn.Module) -> None:
                     f"strategy.{name}.degree={degree} does not divide the model's {count} {what}; "
                     f"use a degree that divides {count}"
                 )
+    if mesh.sp_size > 1:
+        sequence_parallel.check_model(module, mesh.sp_size)
     if mesh.ep_size > 1:
         experts = _config_value(module, _EXPERTS)
         if experts is None:
@@ -80,13 +124,40 @@ def check_model(strategy: Strategy, mesh: Mesh, module: nn.Module) -> None:
             )
 
 
-def process_groups(mesh: Mesh) -> object | None:
+def process_groups(mesh: Mesh, module: nn.Module | None = None) -> object | None:
     """What DeepSpeed's `initialize` takes as `mpu` for this mesh: DeepSpeed's own groups module,
     with its tensor-parallel mesh made first, so DeepSpeed's batch check counts data-parallel
-    ranks, not processes (AutoTP would make the same mesh only later, inside the engine)."""
+    ranks, not processes (AutoTP would make the same mesh only later, inside the engine); under
+    sequence parallelism its sequence-parallel groups, `module`'s attention switched to Ulysses
+    (`framework.sequence_parallel.prepare`)."""
+    if mesh.sp_size > 1 and module is not None:
+        return sequence_parallel.prepare(module, mesh)
     if mesh.tp_size <= 1:
         return None
     from deepspeed.utils import groups
 
     groups._init_tp_mesh_device(tensor_model_parallel_size=mesh.tp_size)
     return groups
+
+
+def grad_norm(params: list[nn.Parameter], mesh: Mesh) -> torch.Tensor | None:
+    """The global L2 norm of `params`' gradients on a rank whose data-parallel gradients are
+    already reduced (ZeRO-0): a tensor-parallel layer's shards are summed over its ranks, a
+    weight every such rank holds whole counts once (DeepSpeed's rule for model-parallel norms).
+    Collective over the tensor-parallel ranks. Stays a tensor: no device sync."""
+    split = mesh.tp_size > 1
+    grads = [
+        p.grad.detach().float()
+        for p in params
+        if p.grad is not None
+        and (not split or mesh.mp_rank == 0 or getattr(p, "tensor_model_parallel", False))
+    ]
+    if not grads and not split:
+        return None
+    squares = torch.stack(torch._foreach_norm(grads)).square().sum() if grads else torch.zeros(())
+    if split:
+        from deepspeed.utils import groups
+
+        squares = squares.to(dev.collective_device())
+        torch.distributed.all_reduce(squares, group=groups.get_tensor_model_parallel_group())
+    return squares.sqrt()

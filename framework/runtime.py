@@ -45,6 +45,7 @@ class Runtime:
         self.config: dict[str, Any] | None = None  # the dict DeepSpeed received
         self.deepspeed_engine: Any = None
         self.module: nn.Module | None = None  # the user's model
+        self.parameters = 0  # the model's, counted whole before DeepSpeed splits it
         self.load_universal = False  # the checkpoint to resume was written with another world size
         self.compute_dtype: torch.dtype = getattr(torch, compute_dtype_name(self.strategy))
         self.grad_norm_wanted = False  # ZeRO-0: compute the norm at the next step (costs a few %)
@@ -144,7 +145,7 @@ class Runtime:
         self.start()
         dev.quiet_deepspeed()
         parallel.check_model(self.strategy, self.mesh, module)
-        self.module = module
+        self.module, self.parameters = module, param_counts(module)[0]
         self.config = self.deepspeed_config_for(module)
         optimizer = offload_optimizer(self.strategy, optimizer)
         if self.strategy.recompute.enable and not self.strategy.uses_pipeline:
@@ -171,11 +172,12 @@ class Runtime:
                 optimizer=optimizer,
                 model_parameters=trainable if optimizer is None or callable(optimizer) else None,
                 config=self.config,
-                mpu=parallel.process_groups(self.mesh),
+                mpu=parallel.process_groups(self.mesh, module),
             )
         if self._is_zero3():
             zero3_trace.keep_release_plans_fresh(module, self.deepspeed_engine)
-        if self.dp_size == 1 and self.strategy.sharding.stage == 0 and not self.strategy.uses_pipeline:
+        alone = self.world_size == self.mesh.tp_size  # no rank to sum gradients with (TP ranks need none)
+        if alone and self.strategy.sharding.stage == 0 and not self.strategy.uses_pipeline:
             # One data-parallel rank: DeepSpeed would still flatten and "all-reduce" every gradient
             # over a group of one each step (pure copies).
             self.deepspeed_engine.enable_backward_allreduce = self.strategy.amp.enable
@@ -280,9 +282,7 @@ class Runtime:
         if not self.grad_norm_wanted or self.deepspeed_engine.zero_optimization_stage() != 0:
             return
         assert self.module is not None
-        grads = [p.grad.detach().float() for p in self.module.parameters() if p.grad is not None]
-        # stays a tensor: no device sync until the value is read
-        self._last_grad_norm = torch.stack(torch._foreach_norm(grads)).norm() if grads else None
+        self._last_grad_norm = parallel.grad_norm(list(self.module.parameters()), self.mesh)
 
     def at_step_boundary(self) -> bool:
         """True between optimizer steps (no gradient accumulation half done): a safe point to checkpoint."""

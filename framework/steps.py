@@ -10,7 +10,8 @@
 A training step returns a loss tensor (the framework does backward + optimizer step), a dict
 of metrics (the step drove `engine.backward` / `engine.step` itself), or None (nothing to log).
 Steps get the `Engine` as their first argument; this module only relies on what a step may use
-of it (`model`, `module`, `loss`, `metrics`, `label_key`, `output_key`, `backward_and_step`).
+of it (`model`, `module`, `runtime`, `loss`, `metrics`, `label_key`, `output_key`,
+`backward_and_step`).
 
 Evaluation and prediction call a model that can return its key/value cache (a Hugging Face
 model's `use_cache`) with `use_cache=False` unless the batch sets it: outputs are kept, so a
@@ -25,6 +26,7 @@ from typing import Any
 
 import torch
 
+from framework import sequence_parallel
 from framework.errors import ConfigError
 from framework.outputs import (
     batch_size_of,
@@ -112,14 +114,15 @@ def _cannot_read(what: str, fn: Any, outputs: Any, logits: Any, labels: Any, exc
     )
 
 
-def update_metrics(engine: Any, metrics: Any, outputs: Any, labels: Any) -> None:
+def update_metrics(engine: Any, metrics: Any, outputs: Any, labels: Any, aligned: bool = False) -> None:
     """Accumulate a batch's outputs into `metrics` (what the loss reads from them). With the
     model's own loss, a causal LM's logits are scored against the next position's label, as
-    that loss does (`MetricSet.update` aligns them and leaves out ignored labels)."""
+    that loss does (`MetricSet.update` aligns them and leaves out ignored labels), unless the
+    labels are `aligned` already (shifted by the sequence-parallel split)."""
     if labels is None or not len(metrics):
         return
     logits = logits_of(outputs, engine.output_key)
-    shifted = is_model_loss(engine.loss) and predicts_next_token(engine.module)
+    shifted = is_model_loss(engine.loss) and predicts_next_token(engine.module) and not aligned
     try:
         metrics.update(logits, labels, shifted)
     except (TypeError, AttributeError, ValueError, RuntimeError, IndexError) as exc:
@@ -142,14 +145,19 @@ def forward_loss(engine: Any, batch: Any) -> tuple[Any, Any, torch.Tensor | None
 
 def default_train_step(engine: Any, batch: Any, weight: torch.Tensor | None = None) -> torch.Tensor:
     """The loss of one batch, updating the training metrics; times `weight`, the batch's share
-    of its optimizer step's items (`framework.items`), when the loss averages over items."""
+    of its optimizer step's items (`framework.items`), when the loss averages over items. Under
+    sequence parallelism, on this rank's slice of the batch (`framework.sequence_parallel`)."""
+    mesh, stage = engine.runtime.mesh, engine.runtime.strategy.sharding.stage
+    if mesh.sp_size > 1:
+        batch = sequence_parallel.training_batch(batch, mesh, engine.loss, engine.label_key)
     outputs, labels, loss = forward_loss(engine, batch)
     if loss is None:
         raise ConfigError(
             "the training batches carry no labels (the last element of a tuple, or data.label_key)"
         )
-    update_metrics(engine, engine.metrics.train, outputs, labels)
-    return loss if weight is None else loss.float() * weight.to(loss.device)
+    update_metrics(engine, engine.metrics.train, outputs, labels, aligned=mesh.sp_size > 1)
+    loss = loss if weight is None else loss.float() * weight.to(loss.device)
+    return sequence_parallel.gradient_share(loss, mesh, stage)
 
 
 def default_eval_step(engine: Any, batch: Any, unpadded: int) -> tuple[Any, torch.Tensor | None]:

@@ -161,12 +161,11 @@ class Speedometer:
         ) * runtime.strategy.accumulation_steps
         shape = transformer_shape(runtime.module)
         if shape is not None and self.tokens:
-            from framework.cost import param_counts
-
             layers, width = shape
-            n = param_counts(runtime.module)[0]
-            per_token = 6 * n + 12 * layers * width * self.tokens
-            self.flops_per_step = per_token * self.tokens * per_step / runtime.strategy.pipeline.stages
+            per_token = 6 * runtime.parameters + 12 * layers * width * self.tokens
+            # a rank's share: its pipeline stage, its tensor- / sequence-parallel part of each layer
+            split = runtime.strategy.pipeline.stages * runtime.mesh.mp_size
+            self.flops_per_step = per_token * self.tokens * per_step / split
             self.source = "formula: 6 N + 12 L d T per token"
         elif not runtime.strategy.uses_pipeline:
             from torch.utils.flop_counter import FlopCounterMode
