@@ -318,7 +318,7 @@ class Engine:
         found = checkpoint.newest(path) if Path(path).is_dir() else None
         if not self.runtime.ready:
             if found is not None:  # ZeRO partitions of another data-parallel size: DeepSpeed must know
-                self.runtime.load_universal = checkpoint.needs_universal(found, self.runtime.dp_size)
+                self.runtime.load_universal = checkpoint.needs_universal(found, self.runtime.mesh)
             self.prepare("train" if self.optimizer_spec is not None and self.loss is not None else "predict")
         if found is not None:
             checkpoint.load(checkpoint.Stateful(self.runtime, self.state, self.metrics), found)

@@ -5,7 +5,11 @@
     python -m framework.export CKPT_DIR OUT_DIR --hf   # a Hugging Face save_pretrained directory
 
 ZeRO 1-3 shards are merged with DeepSpeed's own zero_to_fp32; a ZeRO-0 checkpoint already holds
-whole weights. OUT gets safetensors (`.safetensors`) or a torch state dict (any other suffix);
+whole weights. A tensor-parallel checkpoint (ZeRO 1-3) is converted once to DeepSpeed's universal
+format (`<checkpoint>_universal/`, as for a resume on another layout), which holds every
+parameter whole in fp32 (zero_to_fp32 cannot merge tensor-parallel shards); a ZeRO-0 one is put
+together from its ranks' shards by the split map AutoTP saved in it. OUT gets safetensors
+(`.safetensors`) or a torch state dict (any other suffix);
 `model.load_state_dict(load_weights(OUT), strict=True)` loads it. With `--hf` (the default for a
 checkpoint of a transformers model when OUT has no suffix) OUT_DIR gets `config.json` and
 safetensors weights that `AutoModelForCausalLM.from_pretrained(OUT_DIR)` loads (tied weights
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -48,6 +53,8 @@ def fp32_state_dict(ckpt: str | Path) -> dict[str, torch.Tensor]:
             f"{path} holds experts split over ranks (strategy.expert_parallel), which DeepSpeed's consolidation "
             "does not join: export it from Python with Engine.load(CKPT), then Engine.save(OUT, training=False)"
         )
+    if _tp_size(path, meta) > 1:
+        return _tensor_parallel_state_dict(path, meta)
     if int(meta["zero_stage"]) == 0:
         states = safety.load_safely(path / "mp_rank_00_model_states.pt")
         weights = {k: v.float() if v.is_floating_point() else v for k, v in states["module"].items()}
@@ -56,6 +63,69 @@ def fp32_state_dict(ckpt: str | Path) -> dict[str, torch.Tensor]:
 
     with contextlib.redirect_stdout(io.StringIO()):  # it prints progress
         return dict(get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name))
+
+
+def _tp_size(path: Path, meta: dict) -> int:
+    """The tensor-parallel degree a checkpoint was saved with (each TP rank writes model states)."""
+    ranks = {
+        re.search(r"mp_rank_(\d+)_model_states", f.name) for f in path.glob("*mp_rank_*_model_states.pt")
+    }
+    return int(meta.get("tp_size") or len({m.group(1) for m in ranks if m}) or 1)
+
+
+def _tensor_parallel_state_dict(path: Path, meta: dict) -> dict[str, torch.Tensor]:
+    """Whole fp32 weights of a tensor-parallel checkpoint, from its universal conversion: each
+    parameter's `zero/<name>/fp32.pt`; buffers (never split) and the second names of tied
+    weights from the first rank's model states, in its key order."""
+    if int(meta["zero_stage"]) == 0:  # DeepSpeed's conversion reads ZeRO 1-3 checkpoints only
+        return _merged_zero0_shards(path, _tp_size(path, meta))
+    universal = store.to_universal(path)
+    names = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")  # ZeRO 1-2, 3
+    states = safety.load_safely(next((path / n for n in names if (path / n).is_file()), path / names[0]))
+    shared = dict(states.get("shared_params") or {})
+    params = {name for group in states.get("param_shapes") or [] for name in group}
+    out: dict[str, torch.Tensor] = {}
+    for key, value in states["module"].items():
+        whole = universal / "zero" / key / "fp32.pt"
+        if key in shared:
+            continue
+        if key in params and not whole.is_file():
+            raise CheckpointError(
+                f"{universal} lacks the whole weight {key} (DeepSpeed's conversion left it out)"
+            )
+        out[key] = safety.load_safely(whole)["param"].float() if whole.is_file() else value
+    for alias, source in shared.items():
+        out[alias] = out[source]
+    return {key: out[key] for key in states["module"]}
+
+
+def _merged_zero0_shards(path: Path, tp: int) -> dict[str, torch.Tensor]:
+    """A ZeRO-0 tensor-parallel checkpoint: each TP rank's model states hold its shard of every
+    parameter (its fp32 masters beside them under mixed precision); the affine map AutoTP saved
+    with them says which piece of the whole parameter each rank holds (DeepSpeed's own rebuild).
+    An unsplit tensor must be the same on every rank."""
+    from deepspeed.checkpoint.affine import ParamAffineMap
+
+    ranks = [safety.load_safely(path / f"mp_rank_{r:02d}_model_states.pt") for r in range(tp)]
+    shards = [
+        _with_fp32_masters({k: v.float() if v.is_floating_point() else v for k, v in s["module"].items()}, s)
+        for s in ranks
+    ]
+    maps = ((ranks[0].get("universal_checkpoint_info") or {}).get("affine_map") or {}).get("params") or {}
+    shared = dict(ranks[0].get("shared_params") or {})
+    out: dict[str, torch.Tensor] = {}
+    for key in (k for k in shards[0] if k not in shared):
+        entry = next((e for pattern, e in maps.items() if re.fullmatch(pattern, key)), None)
+        if entry is not None:
+            out[key] = ParamAffineMap.from_dict(entry).rebuild({r: s[key] for r, s in enumerate(shards)})
+        elif all(torch.equal(s[key], shards[0][key]) for s in shards):
+            out[key] = shards[0][key]
+        else:
+            raise CheckpointError(
+                f"{path}: {key} differs between tensor-parallel ranks and no map says how it is split"
+            )
+    out.update({alias: out[source] for alias, source in shared.items()})
+    return {key: out[key] for key in shards[0]}
 
 
 def save_hf_directory(ckpt: str | Path, out: str | Path, tokenizer: str | Path | None = None) -> Path:

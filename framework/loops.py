@@ -45,7 +45,7 @@ def plan_fit(host: Host, train_data: Any, cfg: FitConfig) -> tuple[RunPlan, Any]
     )  # fmt: skip
     budget = step_budget(layout, len(loader), cfg.epochs, cfg.steps_per_epoch, cfg.max_steps)
     resume_from = checkpoint.resolve(cfg.resume, cfg.save_dir) if cfg.resume else None
-    universal = resume_from is not None and checkpoint.needs_universal(resume_from, runtime.dp_size)
+    universal = resume_from is not None and checkpoint.needs_universal(resume_from, runtime.mesh)
     dtype = str(runtime.compute_dtype).removeprefix("torch.")
     plan = RunPlan(runtime.mesh, layout, budget, dtype, str(resume_from) if resume_from else None, universal)
     return plan, loader

@@ -96,6 +96,16 @@ def _whole_tensor_parallel(
             p.data = data
 
 
+def whole_shape(param: torch.Tensor) -> list[int]:
+    """The shape of `param` whole: before ZeRO-3 partitioned it (`ds_shape`) and before tensor
+    parallelism split it (the logical shape DeepSpeed's AutoTP records on the parameter)."""
+    from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META
+
+    logical = (getattr(param, DS_AUTOTP_UC_META, None) or {}).get("logical_shape")
+    shape = logical if logical is not None else getattr(param, "ds_shape", param.shape)
+    return [int(n) for n in shape]
+
+
 def fp32_masters(optimizer: Any) -> dict[int, torch.Tensor]:
     """{id(param): its fp32 master} from DeepSpeed's mixed-precision optimizer at ZeRO-0 (its
     `fp16_groups` / `fp32_groups`, kept side by side; empty for other optimizers)."""
@@ -107,8 +117,9 @@ def fp32_masters(optimizer: Any) -> dict[int, torch.Tensor]:
 
 def load_whole(module: nn.Module, zero3: bool, state: dict[str, Any]) -> None:
     """Load complete weights into `module`. Under ZeRO-3 one module's parameters are gathered at
-    a time (never the whole model on a rank) and rank 0's values are the ones used; buffers are
-    loaded on every rank. Keys and shapes must match exactly, as `load_state_dict(strict=True)`."""
+    a time (never the whole model on a rank) and rank 0's values are the ones used; a layer that
+    tensor parallelism split is made whole, loaded on every rank and split again. Buffers are
+    loaded on every rank. Keys and whole shapes must match exactly, as `load_state_dict(strict=True)`."""
     import deepspeed
 
     expert_parallel.refuse_whole_weights(module)
@@ -119,7 +130,8 @@ def load_whole(module: nn.Module, zero3: bool, state: dict[str, Any]) -> None:
             f"the weights do not fit {type(module).__name__}: {mismatch}; load weights saved from this "
             "model (the same model.* config)"
         )
-    if not zero3:
+    split = any(getattr(p, "ds_is_replaced_module", False) for p in module.parameters())
+    if not zero3 and not split:
         module.load_state_dict(state, strict=True)
         return
     key_of: dict[int, str] = {}
@@ -128,13 +140,30 @@ def load_whole(module: nn.Module, zero3: bool, state: dict[str, Any]) -> None:
     with torch.no_grad():
         for sub in module.modules():
             own = [p for p in sub.parameters(recurse=False) if id(p) in key_of]
-            with deepspeed.zero.GatheredParameters(own, modifier_rank=0, enabled=bool(own)):
-                for p in own:
-                    key = key_of.pop(id(p))
-                    if dev.rank() == 0:
-                        _copy_checked(p, state[key], key)
+            with deepspeed.zero.GatheredParameters(own, modifier_rank=0, enabled=zero3 and bool(own)):
+                with _split_again(sub, own):
+                    for p in own:
+                        key = key_of.pop(id(p))
+                        if dev.rank() == 0 or split:  # tensor parallel: every rank writes (the same dict)
+                            _copy_checked(p, state[key], key)
         for key in key_of.values():  # buffers (never partitioned)
             _copy_checked(entries[key], state[key], key)
+
+
+@contextlib.contextmanager
+def _split_again(module: nn.Module, params: Sequence[torch.Tensor]) -> Iterator[None]:
+    """A layer that tensor parallelism split is whole for the duration, then this rank's slice of
+    what was written goes back into the parameter's own storage (a view into ZeRO 1/2's flat
+    buffer, which the optimizer reads: a new tensor in `p.data` would fall out of training)."""
+    from deepspeed.module_inject.layers import GatherReplacedLayerParams
+
+    kept = [p.data for p in params]
+    with GatherReplacedLayerParams(params, module, enabled=bool(params)):
+        yield
+    for p, data in zip(params, kept):
+        if p.data is not data:
+            data.copy_(p.data)
+            p.data = data
 
 
 def _mismatch(entries: dict[str, Any], state: dict[str, Any]) -> str | None:
@@ -144,7 +173,7 @@ def _mismatch(entries: dict[str, Any], state: dict[str, Any]) -> str | None:
         return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
     missing, unexpected = sorted(set(entries) - set(state)), sorted(set(state) - set(entries))
-    shapes = {k: tuple(getattr(v, "ds_shape", v.shape)) for k, v in entries.items()}
+    shapes = {k: tuple(whole_shape(v)) for k, v in entries.items()}
     wrong = [k for k in shapes if k in state and tuple(getattr(state[k], "shape", ())) != shapes[k]]
     parts = [f"missing {shown(missing)}"] if missing else []
     parts += [f"unexpected {shown(unexpected)}"] if unexpected else []

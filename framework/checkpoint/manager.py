@@ -27,9 +27,10 @@ from framework.checkpoint import preemption, safety, store
 from framework.errors import CheckpointError, ConfigError
 from framework.metrics import Metrics
 from framework.state import LoopState
-from framework.weights import is_hf_model
+from framework.weights import is_hf_model, whole_shape
 
 if TYPE_CHECKING:
+    from framework.plan import Mesh
     from framework.runtime import Runtime
 
 
@@ -88,15 +89,13 @@ def rank_state(parts: Stateful) -> dict[str, Any]:
 
 def setup_record(runtime: Runtime) -> dict[str, Any]:
     """What a run must match to resume a checkpoint: ZeRO stage, pipeline stages, optimizer class,
-    parameter names and shapes."""
+    parameter names and whole shapes (as any tensor-parallel degree sees them)."""
     assert runtime.module is not None
     return {
         "zero_stage": runtime.strategy.sharding.stage,
         "pipeline_stages": runtime.strategy.pipeline.stages,
         "optimizer": runtime.optimizer_name,
-        "parameters": {
-            n: list(getattr(p, "ds_shape", p.shape)) for n, p in runtime.module.named_parameters()
-        },
+        "parameters": {n: whole_shape(p) for n, p in runtime.module.named_parameters()},
     }
 
 
@@ -127,8 +126,6 @@ def _differences(path: Path, saved: dict[str, Any], now: dict[str, Any]) -> str 
 
 
 HF_CONFIG = "hf_config"  # a Hugging Face model's config.json, for `framework.export --hf`
-
-
 HF_PREFIX = "weights_prefix"  # in HF_CONFIG: where the HF model sits in a wrapper's state dict ("lm.")
 
 
@@ -233,6 +230,7 @@ def _save(parts: Stateful, ckpt_dir: Path, keep_last_k: int | None, reason: str)
             "epoch": state.epoch,
             "world_size": dev.world_size(),
             "dp_size": runtime.dp_size,
+            "tp_size": runtime.mesh.tp_size,
             "micro_batch_size": layout.micro_batch_size if layout else 0,
             "zero_stage": runtime.strategy.sharding.stage,
             "pipeline_stages": runtime.strategy.pipeline.stages,
@@ -263,17 +261,7 @@ def _load(parts: Stateful, path: Path) -> None:
     difference = _differences(path, meta["setup"], setup_record(runtime)) if "setup" in meta else None
     if difference:
         raise CheckpointError(difference)
-    same_layout = int(meta["dp_size"]) == runtime.dp_size and int(meta["world_size"]) == dev.world_size()
-    load_path = path
-    if not same_layout and int(meta["zero_stage"]) > 0:  # ZeRO-0 files are whole on every rank
-        if not runtime.load_universal:
-            raise CheckpointError(
-                f"checkpoint {path} holds ZeRO partitions for {meta['dp_size']} data-parallel ranks and this "
-                f"engine was already built for {runtime.dp_size}: load it before anything else runs "
-                "(Engine.load or fit(resume=...) first)"
-            )
-        load_path = store.to_universal(path)
-        store.check(load_path)
+    load_path, same_layout = _source(runtime, path, meta)
     try:
         loaded = runtime.load_checkpoint(str(load_path.parent), load_path.name)
     except (ConfigError, CheckpointError):
@@ -307,10 +295,44 @@ def newest(ckpt: str | Path) -> Path:
     return found
 
 
-def needs_universal(path: Path, dp_size: int) -> bool:
-    """True when the checkpoint holds ZeRO partitions for another data-parallel size than `dp_size`."""
+def _layout(meta: dict[str, Any]) -> tuple[int, int]:
+    """(data-parallel, tensor-parallel) degrees a checkpoint was saved with (TP 1 before it was recorded)."""
+    return int(meta["dp_size"]), int(meta.get("tp_size", 1))
+
+
+def _source(runtime: Runtime, path: Path, meta: dict[str, Any]) -> tuple[Path, bool]:
+    """Where DeepSpeed loads checkpoint `path` from for this run (it, or its universal conversion for
+    another data- or tensor-parallel degree), and whether this run has the checkpoint's layout."""
+    (dp, tp), now = _layout(meta), (runtime.dp_size, runtime.mesh.tp_size)
+    if (dp, tp) == now and int(meta["world_size"]) == dev.world_size():
+        return path, True
+    if int(meta["zero_stage"]) == 0:  # whole weights for one tensor-parallel degree
+        if tp == now[1]:
+            return path, False
+        raise CheckpointError(
+            f"checkpoint {path} holds ZeRO-0 weights split over {tp} tensor-parallel ranks, this run uses {now[1]} "
+            f"(DeepSpeed converts ZeRO 1-3 only): resume with strategy.tensor_parallel.degree={tp}, or python -m "
+            f"framework.export {path} weights.safetensors, then trainer.init_from=weights.safetensors"
+        )
+    if not runtime.load_universal:
+        was, built = (
+            f"{d} data-parallel" + (f" x {t} tensor-parallel" if t > 1 else "") for d, t in ((dp, tp), now)
+        )
+        raise CheckpointError(
+            f"checkpoint {path} holds ZeRO partitions for {was} ranks and this engine was already built for "
+            f"{built}: load it before anything else runs (Engine.load or fit(resume=...) first)"
+        )
+    universal = store.to_universal(path)
+    store.check(universal)
+    return universal, False
+
+
+def needs_universal(path: Path, mesh: Mesh) -> bool:
+    """True when the checkpoint holds ZeRO partitions for another layout than `mesh`'s: another
+    data-parallel size, or another tensor-parallel degree (DeepSpeed's universal format has
+    every parameter whole and re-splits it for the loading run)."""
     meta = store.read_meta(path)
-    return int(meta["dp_size"]) != dp_size and int(meta["zero_stage"]) > 0
+    return _layout(meta) != (mesh.dp_size, mesh.tp_size) and int(meta["zero_stage"]) > 0
 
 
 class CheckpointManager(Callback):
