@@ -33,8 +33,10 @@ from framework.outputs import (
     call_model,
     is_model_loss,
     logits_of,
+    map_tensors,
     model_loss,
     predicts_next_token,
+    split,
     take,
     takes_use_cache,
 )
@@ -137,10 +139,26 @@ def forward_loss(engine: Any, batch: Any) -> tuple[Any, Any, torch.Tensor | None
     model itself (its labels passed as `labels=`)."""
     own = is_model_loss(engine.loss)
     no_cache = not engine.module.training and takes_use_cache(engine.module)
-    outputs, labels = call_model(engine.model, batch, engine.label_key, own, no_cache)
+    try:
+        outputs, labels = call_model(engine.model, batch, engine.label_key, own, no_cache)
+    except RuntimeError as exc:
+        if "'indices'" not in str(exc):  # an embedding's lookup given anything but token ids
+            raise
+        raise ConfigError(
+            f"{type(engine.module).__name__} looks up token ids in an embedding, but the data gives it "
+            f"{_input_dtypes(batch, engine.label_key)} inputs: use token data (data=chars with loss=lm, data=hf_text, or "
+            "experiment=hf_llama_chars), or a model for features (model=mlp)"
+        ) from None
     if labels is None or engine.loss is None:
         return outputs, labels, None
     return outputs, labels, model_loss(outputs) if own else engine.loss(outputs, labels)
+
+
+def _input_dtypes(batch: Any, label_key: str) -> str:
+    found: list[str] = []
+    args, kwargs, _ = split(batch, label_key)
+    map_tensors(lambda t: found.append(str(t.dtype).removeprefix("torch.")), (args, kwargs))
+    return "/".join(sorted(set(found))) or "non-tensor"
 
 
 def default_train_step(engine: Any, batch: Any, weight: torch.Tensor | None = None) -> torch.Tensor:

@@ -441,3 +441,14 @@ def test_the_console_copy_keeps_plain_lines_and_leaves_live_redraws_out(tmp_path
         print("Error: something", file=sys.stderr)
     assert log.read_text() == "BertForSequenceClassification (11,362 parameters)\nError: something\n"
     assert "epoch 1/2" in capsys.readouterr().out  # the terminal still gets everything
+
+
+def test_feature_data_into_a_token_model_is_one_line():
+    """The issue's first try, `model=hf_llama` on the default (digits) data: float features reach
+    an embedding. One line naming the model, the dtype and what to use, not a torch traceback."""
+    from framework import ConfigError
+
+    data = [(torch.randn(8), torch.tensor(1)) for _ in range(8)]
+    engine = Engine(tiny_llama(), "model", functools.partial(torch.optim.SGD, lr=0.1))
+    with pytest.raises(ConfigError, match=r"LlamaForCausalLM looks up token ids .* gives it float32 inputs"):
+        engine.fit(data, batch_size=4, epochs=1, progress=False)
