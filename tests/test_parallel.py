@@ -155,17 +155,17 @@ def _results(out, world):
 
 
 def test_tensor_parallel_is_exact_on_two_ranks(tmp_path):
-    """TP 2 x ZeRO 0-3 x accumulation 1/2 x (fit, run), the GPT (its own plan, fused q/k/v) and a
-    Llama (its Hugging Face tp_plan): one SGD step on padded sequences gives the one-process
+    """TP 2 x ZeRO 0-3 x accumulation 1/2 x (fit, run), the GPT (its own plan, fused q/k/v), a
+    Llama (its Hugging Face tp_plan) and an MLP split by the strategy's plan: one SGD step on padded sequences gives the one-process
     weights and loss; each rank holds about half the split weights (ZeRO 0-2); `predict` gives
     every sample's outputs once, in dataset order (not once per tensor-parallel rank)."""
     run = run_cmd(
-        [*torchrun(2), SCRIPT, str(tmp_path), "gpt,llama", "tp2", "0,1,2,3", "1,2", "fit,run,predict"],
+        [*torchrun(2), SCRIPT, str(tmp_path), "gpt,llama,mlp", "tp2", "0,1,2,3", "1,2", "fit,run,predict"],
         timeout=280,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     errors, shares = _results(tmp_path, 2)
-    assert len(errors) == 2 * 4 * 2 * 2 + 2  # + predict: the outputs of each sample, once
+    assert len(errors) == 3 * (4 * 2 * 2 + 1)  # + predict: the outputs of each sample, once
     bad = {case: e for case, e in errors.items() if max(e) > 1e-5}
     assert not bad, bad
     for case, share in shares[0].items():

@@ -69,6 +69,21 @@ def gpt_case():
     return model, LMLoss(), reference_loss, data
 
 
+def mlp_case():
+    """A user's own model with no plan of its own: the strategy's `tensor_parallel.plan` says which
+    linears split (a column / row pair, as a Megatron MLP), the class labels weigh by samples."""
+    from framework.models import MLP
+
+    features, classes = torch.randn(GLOBAL, 16), torch.randint(0, 4, (GLOBAL,))
+    model = MLP(in_features=16, hidden=(32, 32), num_classes=4)
+    plan = {"features.0": "column", "features.2": "row"}
+
+    def reference_loss(m):
+        return F.cross_entropy(m(features), classes)
+
+    return model, torch.nn.CrossEntropyLoss(), reference_loss, list(zip(features, classes)), plan
+
+
 def hf_case(model):
     """A Hugging Face causal LM with `loss=model`: batches are dicts, the model computes the loss."""
 
@@ -154,9 +169,19 @@ def recorder(seen):
 device.init_process_group(timeout_s=120)  # one group for every engine below
 rank, world = device.rank(), device.world_size()
 errors, shares, lengths = {}, {}, {}  # shares: this rank's parameter elements / the model's
-CASES = {"gpt": gpt_case, "llama": llama_case, "mixtral": mixtral_case, "deepseek": deepseek_case}
+CASES = {
+    "gpt": gpt_case,
+    "llama": llama_case,
+    "mixtral": mixtral_case,
+    "deepseek": deepseek_case,
+    "mlp": mlp_case,
+}
+strategy_degrees = degrees
 for name in which.split(","):
-    model, loss, reference_loss, data = CASES[name]()
+    model, loss, reference_loss, data, *plan = CASES[name]()
+    degrees = copy.deepcopy(strategy_degrees)
+    if plan and "tensor_parallel" in degrees:
+        degrees["tensor_parallel"]["plan"] = plan[0]
     reference, unclipped = copy.deepcopy(model), copy.deepcopy(model)
     ref_loss = reference_loss(reference)
     ref_loss.backward()
@@ -175,7 +200,10 @@ for name in which.split(","):
         outputs = engine.predict(data, batch_size=GLOBAL // 2)
         got = torch.cat([getattr(o, "logits", o) for o in outputs])
         with torch.no_grad():
-            want = model(tokens) if name == "gpt" else model(input_ids=tokens, attention_mask=mask).logits
+            if name in ("gpt", "mlp"):
+                want = model(tokens if name == "gpt" else torch.stack([x for x, _ in data]))
+            else:
+                want = model(input_ids=tokens, attention_mask=mask).logits
         errors[f"{name} {parallel} predict"] = [(got - want).abs().max().item(), abs(len(got) - len(want))]
     if "evaluate" in paths:  # the loss of whole sequences, under every degree
         engine = Engine(copy.deepcopy(model), loss, strategy=Strategy(**degrees))
