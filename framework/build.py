@@ -274,7 +274,7 @@ def print_plan(engine: Engine) -> None:
     )
     parts = ("params_bytes", "grads_bytes", "optimizer_bytes", "buffer_bytes")
     print(
-        f"per-rank model states ({cost['parameters_per_rank']:,} parameters): "
+        f"per-rank model states: {cost['parameters_per_rank']:,} parameters, "
         + ", ".join(f"{k.removesuffix('_bytes')} {_size(cost[k])}" for k in parts)
         + f" = {_size(cost['total_bytes'])} (device {_size(cost['device_bytes'])}, cpu {_size(cost['cpu_bytes'])})"
     )
