@@ -70,6 +70,20 @@ def torchrun(nproc: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
 
 
+def run_layout_script(out: Path, *args: str, ranks: int = 2, timeout: float = 280, env: dict | None = None):
+    """Run `tests/scripts/layout_invariance.py OUT ARGS` (one SGD step under a layout against one
+    process) on `ranks` workers; each rank's results ({"errors", "shares", ...}), after checking
+    that no case of any rank is off by more than 1e-5."""
+    script = str(ROOT / "tests" / "scripts" / "layout_invariance.py")
+    run = run_cmd([*torchrun(ranks), script, str(out), *args], timeout, env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+    for result in results:
+        bad = {case: e for case, e in result["errors"].items() if max(e) > 1e-5}
+        assert not bad, bad
+    return results
+
+
 def run_train(args: list[str], run_dir: Path, timeout: float = 240, nproc: int = 0, env: dict | None = None):
     """Run `python train.py ARGS hydra.run.dir=RUN_DIR` (under torchrun when nproc > 0)."""
     cmd = torchrun(nproc) if nproc else [sys.executable]

@@ -26,7 +26,7 @@ from framework.parallel import check_model
 from framework.plan import Mesh
 from framework.strategy import Strategy
 
-from .conftest import ROOT, run_cmd, subprocess_env, torchrun
+from .conftest import ROOT, run_cmd, run_layout_script, subprocess_env, torchrun
 
 EP2_SECTION = {"expert_parallel": {"degree": 2}}
 EP2 = Strategy(**EP2_SECTION)
@@ -187,16 +187,10 @@ def test_expert_parallel_on_two_ranks_equals_one_process(tmp_path, autoep_python
     equal plain torch on the whole batch, and the logged loss is the global token mean; through
     `fit`, and through `run` with the weights exported by `Engine.save(training=False)` (every
     expert, under the model's own names) and reloaded by `from_pretrained`."""
-    script = str(ROOT / "tests" / "scripts" / "layout_invariance.py")
     env = subprocess_env(PYTHONPATH=autoep_pythonpath)
-    args = [script, str(tmp_path), "mixtral,deepseek", "ep2", "0,1,2,3", "1,2", "fit,export"]
-    run = run_cmd([*torchrun(2), *args], timeout=240, env=env)
-    assert run.returncode == 0, run.stderr[-3000:]
-    for rank in range(2):
-        errors = json.loads((tmp_path / f"rank{rank}.json").read_text())["errors"]
-        assert len(errors) == 2 * 4 * 2 * 2
-        bad = {case: e for case, e in errors.items() if max(e) > 1e-5}
-        assert not bad, bad
+    args = ["mixtral,deepseek", "ep2", "0,1,2,3", "1,2", "fit,export"]
+    for result in run_layout_script(tmp_path, *args, timeout=240, env=env):
+        assert len(result["errors"]) == 2 * 4 * 2 * 2
 
 
 def test_expert_parallel_checkpoints_on_two_ranks(tmp_path, autoep_pythonpath):

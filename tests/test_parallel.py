@@ -4,7 +4,6 @@ against a one-process reference."""
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
@@ -17,9 +16,7 @@ from framework.parallel import check_model, split_numel, tp_plan_of
 from framework.plan import Mesh, batch_layout, mesh_of
 from framework.strategy import parse_tp_style
 
-from .conftest import ROOT, run_cmd, torchrun
-
-SCRIPT = str(ROOT / "tests" / "scripts" / "layout_invariance.py")
+from .conftest import run_layout_script
 
 
 def tiny_llama(heads: int = 4, kv_heads: int = 2):
@@ -149,35 +146,20 @@ def test_the_memory_estimate_counts_a_ranks_share():
 # ---------------------------------------------------------------------------------------- exactness
 
 
-def _results(out, world):
-    per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
-    return per_rank[0]["errors"], [r["shares"] for r in per_rank]
-
-
 def test_tensor_parallel_is_exact_on_two_ranks(tmp_path):
     """TP 2 x ZeRO 0-3 x accumulation 1/2 x (fit, run), the GPT (its own plan, fused q/k/v), a
-    Llama (its Hugging Face tp_plan) and an MLP split by the strategy's plan: one SGD step on padded sequences gives the one-process
-    weights and loss; each rank holds about half the split weights (ZeRO 0-2); `predict` gives
-    every sample's outputs once, in dataset order (not once per tensor-parallel rank)."""
-    run = run_cmd(
-        [*torchrun(2), SCRIPT, str(tmp_path), "gpt,llama,mlp", "tp2", "0,1,2,3", "1,2", "fit,run,predict"],
-        timeout=280,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    errors, shares = _results(tmp_path, 2)
-    assert len(errors) == 3 * (4 * 2 * 2 + 1)  # + predict: the outputs of each sample, once
-    bad = {case: e for case, e in errors.items() if max(e) > 1e-5}
-    assert not bad, bad
-    for case, share in shares[0].items():
+    Llama (its Hugging Face tp_plan) and an MLP split by the strategy's plan: one SGD step on
+    padded sequences gives the one-process weights and loss; each rank holds about half the
+    split weights (ZeRO 0-2); `predict` gives every sample's outputs once, in dataset order (not
+    once per tensor-parallel rank)."""
+    results = run_layout_script(tmp_path, "gpt,llama,mlp", "tp2", "0,1,2,3", "1,2", "fit,run,predict")
+    assert len(results[0]["errors"]) == 3 * (4 * 2 * 2 + 1)  # + predict: the outputs of each sample, once
+    for case, share in results[0]["shares"].items():
         if "zero3" not in case:
             assert 0.5 < share < 0.6, (case, share)  # split linears halved; embeddings and norms whole
 
 
 def test_tensor_and_data_parallel_on_four_ranks(tmp_path):
     """TP 2 x DP 2: the two replicas take different halves of the global batch."""
-    run = run_cmd([*torchrun(4), SCRIPT, str(tmp_path), "gpt,llama", "tp2", "1,3", "2", "fit"], timeout=280)
-    assert run.returncode == 0, run.stderr[-3000:]
-    errors, _ = _results(tmp_path, 4)
-    assert len(errors) == 2 * 2
-    bad = {case: e for case, e in errors.items() if max(e) > 1e-5}
-    assert not bad, bad
+    results = run_layout_script(tmp_path, "gpt,llama", "tp2", "1,3", "2", "fit", ranks=4)
+    assert len(results[0]["errors"]) == 2 * 2

@@ -27,7 +27,7 @@ from framework.outputs import ModelLoss
 from framework.plan import Mesh, step_budget
 from framework.plan import batch_layout as layout_of
 
-from .conftest import FAST, ROOT, run_cmd, run_train, torchrun
+from .conftest import FAST, run_layout_script, run_train
 
 DATA = synthetic(num_samples=180)
 EPOCHS, BATCH = 3, 16  # 144 training samples: 9 optimizer steps an epoch, 27 in all
@@ -169,14 +169,8 @@ def test_layout_invariance_on_two_ranks(tmp_path):
     """2 ranks x accumulation 1/4 x ZeRO 0-3, fit and run, the GPT with loss=lm and a Llama with
     loss=model: one SGD step on padded sequences (2 to 16 counted tokens) equals plain torch on
     the whole batch, and the logged loss is the global token mean."""
-    script = str(ROOT / "tests" / "scripts" / "layout_invariance.py")
-    run = run_cmd([*torchrun(2), script, str(tmp_path), "gpt,llama", "dp", "0,1,2,3", "1,4"], timeout=280)
-    assert run.returncode == 0, run.stderr[-3000:]
-    for rank in range(2):
-        errors = json.loads((tmp_path / f"rank{rank}.json").read_text())["errors"]
-        assert len(errors) == 2 * 4 * 2 * 2
-        bad = {case: e for case, e in errors.items() if max(e) > 1e-5}
-        assert not bad, bad
+    for result in run_layout_script(tmp_path, "gpt,llama", "dp", "0,1,2,3", "1,4"):
+        assert len(result["errors"]) == 2 * 4 * 2 * 2
 
 
 def test_counted_items_follow_the_loss():
