@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import copy
 import math
-import re
 from typing import Any
 
 from framework.plan import BatchLayout
-from framework.strategy import Strategy, parse_tp_style
+from framework.strategy import Strategy, parse_tp_style, plan_regex
 
 
 def auto_sizes(num_params: int, largest_param: int, largest_block: int = 0) -> dict[str, int]:
@@ -106,18 +105,12 @@ def _zero_section(
     return zero
 
 
-def _pattern(module_pattern: str) -> str:
-    """A plan's module-name pattern (`*` = one name part) as the regex of its weight's name."""
-    parts = (r"[^.]+" if part == "*" else re.escape(part) for part in module_pattern.split("."))
-    return r"^(.*\.)?" + r"\.".join(parts) + r"\.weight$"
-
-
 def _layer_specs(plan: dict[str, str]) -> list[dict[str, Any]]:
     specs = []
     for module_pattern, style in plan.items():
         kind, fused = parse_tp_style(f"tensor-parallel plan[{module_pattern!r}]", style)
         spec: dict[str, Any] = {
-            "patterns": [_pattern(module_pattern)],
+            "patterns": [plan_regex(module_pattern)],
             "partition_type": "skip" if kind == "replicate" else kind,
         }
         if fused > 1:

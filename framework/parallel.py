@@ -17,7 +17,7 @@ from framework import device as dev
 from framework import expert_parallel, sequence_parallel
 from framework.errors import ConfigError
 from framework.plan import Mesh
-from framework.strategy import Strategy, parse_tp_style
+from framework.strategy import Strategy, parse_tp_style, plan_regex
 from framework.weights import is_hf_model
 
 # Where a model states its head and expert counts: Hugging Face config names, then ours.
@@ -64,8 +64,7 @@ def _plan_regexes(plan: dict[str, str]) -> list[re.Pattern[str]]:
     for pattern, style in plan.items():
         if parse_tp_style(pattern, style)[0] == "replicate":
             continue
-        parts = ("[^.]+" if part == "*" else re.escape(part) for part in pattern.split("."))
-        out.append(re.compile(r"^(.*\.)?" + r"\.".join(parts) + r"\.(weight|bias)$"))
+        out.append(re.compile(plan_regex(pattern, "weight|bias")))
     return out
 
 

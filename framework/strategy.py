@@ -8,6 +8,7 @@ so a typo'd key or a wrong type fails at composition.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -339,6 +340,13 @@ def parse_tp_style(where: str, style: str) -> tuple[str, int]:
             "for a fused projection of K equal parts (e.g. column:3 for q, k, v in one linear)"
         )
     return kind, int(parts or 1)
+
+
+def plan_regex(module_pattern: str, params: str = "weight") -> str:
+    """A tensor-parallel plan's module-name pattern (`*` matches one name part) as the regex of
+    its modules' parameter names (`params`: the parameter names, a regex alternative)."""
+    parts = (r"[^.]+" if part == "*" else re.escape(part) for part in module_pattern.split("."))
+    return r"^(.*\.)?" + r"\.".join(parts) + r"\.(?:" + params + r")$"
 
 
 def _section_from_dict(name: str, cls: type, data: dict[str, Any]) -> Any:
