@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from framework.callbacks import Callback
+from framework.observe.callbacks import Callback
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -67,7 +67,7 @@ def median(values: list[float]) -> float:
 
 def quiet() -> None:
     """The same quiet environment the framework sets up for a run."""
-    from framework import device
+    from framework.process import context as device
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     device.quiet_deepspeed()

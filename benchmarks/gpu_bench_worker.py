@@ -47,9 +47,9 @@ def digest(config: dict[str, Any]) -> str:
 def prepared(row: dict[str, Any], setup: Setup) -> dict[str, Any]:
     """What the raw loop and the peers are handed: the model on the device, the DeepSpeed JSON and
     the optimizer the framework would use (DeepSpeed's CPU Adam under offload when it builds)."""
-    from framework import device as dev
-    from framework.placement import offload_optimizer
-    from framework.runtime import Runtime
+    from framework.backend.placement import offload_optimizer
+    from framework.backend.runtime import Runtime
+    from framework.process import context as dev
 
     runtime = Runtime(strategy_of(row))  # on a CPU: offload dropped, as for Engine
     dev.init_process_group()
@@ -82,7 +82,7 @@ def loader(setup: Setup, vocab_size: int, cuda: bool) -> torch.utils.data.DataLo
 def run_hydraspeed(row: dict[str, Any], setup: Setup) -> dict[str, Any]:
     """Engine.fit, the framework's API, with log_freq past the run (no logging point inside)."""
     from framework import Callback, Engine
-    from framework import device as dev
+    from framework.process import context as dev
 
     model = llama(setup, dev.device())
     fpt, params = flops_per_token(model, setup.seq), count_params(model)
@@ -204,7 +204,7 @@ RUNNERS = {
 
 def run_row(row: dict[str, Any], setup: Setup) -> dict[str, Any]:
     """One row: its measurements, or why it has none (a missing package, an error)."""
-    from framework import device as dev
+    from framework.process import context as dev
 
     try:
         result = {"status": "ok", **RUNNERS[row["framework"]](row, setup)}
@@ -229,7 +229,7 @@ def run_row(row: dict[str, Any], setup: Setup) -> dict[str, Any]:
 
 def main(argv: list[str]) -> None:
     """Run the rows given on the command line, one JSON line each."""
-    from framework import device as dev
+    from framework.process import context as dev
 
     dev.quiet_deepspeed()
     setup = Setup(**json.loads(argv[0]))

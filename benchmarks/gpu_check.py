@@ -66,7 +66,7 @@ def _engine(
 
 
 def _fit_losses(engine: Any, steps: int, **kwargs: Any) -> list[float]:
-    from framework.datasets import digits
+    from framework.data.datasets import digits
 
     train, _ = digits()
     history: list[float] = []
@@ -94,7 +94,7 @@ def _falling(losses: list[float]) -> bool:
 
 
 def _teardown() -> None:
-    from framework import device
+    from framework.process import context as device
 
     device.destroy_process_group()
 
@@ -107,8 +107,8 @@ def check_placement(cuda: bool, steps: int) -> dict[str, Any]:
     import torchmetrics
     from deepspeed.accelerator import get_accelerator
 
-    from framework import device
-    from framework.datasets import digits
+    from framework.data.datasets import digits
+    from framework.process import context as device
 
     engine = _engine(metrics=torchmetrics.classification.MulticlassAccuracy(num_classes=10))
     loader = engine.dataloader(digits()[0], batch_size=64, mode="train")
@@ -311,7 +311,7 @@ def check_host_syncs(cuda: bool, steps: int) -> dict[str, Any]:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            from framework.datasets import digits
+            from framework.data.datasets import digits
 
             _engine(0).fit(
                 digits()[0],
@@ -341,8 +341,8 @@ def check_host_syncs(cuda: bool, steps: int) -> dict[str, Any]:
 def check_memory(cuda: bool, steps: int) -> dict[str, Any]:
     """Peak device memory per ZeRO stage for a ~25 M GPT (one rank), next to Engine.cost()."""
     from framework import Engine, Strategy
-    from framework.cost import live_tensor_bytes
     from framework.models import GPT, LMLoss
+    from framework.plan.cost import live_tensor_bytes
 
     size = {"n_layer": 8, "n_embd": 512, "n_head": 8} if cuda else {"n_layer": 2, "n_embd": 64, "n_head": 2}
     rows = {}
@@ -430,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available() and not args.smoke
     if not cuda:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    from framework import device
+    from framework.process import context as device
 
     device.select_accelerator("cuda" if cuda else "cpu")
     steps = 20 if cuda else 6

@@ -79,7 +79,7 @@ def copy_overlap(events: list[dict[str, Any]]) -> dict[str, Any]:
 def _profile(size: dict[str, int], steps: int) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
-    from framework import device
+    from framework.process import context as device
 
     engine = _engine(size, prefetch=2, callbacks=[])
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -95,7 +95,7 @@ def check_overlap(cuda: bool, steps: int) -> dict[str, Any]:
     """Batch copies on a side stream, overlapping kernels (profiler, a ~100 M GPT), and prefetch 2
     no slower than prefetch 0 per step."""
     from benchmarks.common import StepTimes, median
-    from framework import device
+    from framework.process import context as device
 
     size = GPU_SIZE if cuda else CPU_SIZE
     times = {}

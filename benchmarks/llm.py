@@ -105,7 +105,7 @@ class TokenData(torch.utils.data.Dataset):
 def flops_per_token(model: torch.nn.Module, seq: int) -> float:
     """6 N + 12 L d T: weights forward and backward, plus attention (the framework's formula).
     Counted on the whole model, before ZeRO-3 partitions it."""
-    from framework.throughput import transformer_shape
+    from framework.observe.throughput import transformer_shape
 
     shape = transformer_shape(model)
     assert shape is not None
@@ -119,8 +119,8 @@ def count_params(model: torch.nn.Module) -> int:
 
 
 def peak_flops() -> float | None:
-    """The GPU's dense bf16 peak (spec sheet, `framework.throughput`), None on a CPU."""
-    from framework.throughput import gpu_peak
+    """The GPU's dense bf16 peak (spec sheet, `framework.observe.throughput`), None on a CPU."""
+    from framework.observe.throughput import gpu_peak
 
     if not torch.cuda.is_available():
         return None

@@ -7,7 +7,7 @@ processes, so each peak is its own:
 * peak RSS per rank, and peak minus the RSS after imports (the baseline);
 * model-state tensor bytes per rank (parameters + gradients + optimizer states and the buffers
   DeepSpeed keeps), measured on the live process after a backward, before the step, next to
-  the ZeRO paper's formula for the dtypes used (`framework.cost`; target: within 10%);
+  the ZeRO paper's formula for the dtypes used (`framework.plan.cost`; target: within 10%);
 * median step time.
 
 "ours" = the framework's strategy adapter ("auto" sizes, zero.Init under ZeRO-3);
@@ -56,10 +56,11 @@ def worker(kind: str, stage: int, offload: bool, model_name: str, steps: int, ba
     import deepspeed
     from hydra.utils import get_class
 
-    from framework import Engine, Strategy, device
-    from framework.cost import live_tensor_bytes, model_state_bytes, param_counts
+    from framework import Engine, Strategy
+    from framework.backend.runtime import Runtime
     from framework.models import LMLoss
-    from framework.runtime import Runtime
+    from framework.plan.cost import live_tensor_bytes, model_state_bytes, param_counts
+    from framework.process import context as device
 
     quiet()
     device.init_process_group()
@@ -73,7 +74,7 @@ def worker(kind: str, stage: int, offload: bool, model_name: str, steps: int, ba
     if kind == "ours":  # what train.py does: the runtime's host settings, the model built as it builds it
         from omegaconf import OmegaConf
 
-        from framework.construct import build_model
+        from framework.cli.construct import build_model
 
         runtime = Runtime(strategy)
         strategy = runtime.strategy  # without an accelerator, offload is dropped
@@ -131,7 +132,7 @@ def measure(
     kind: str, stage: int, offload: bool, model_name: str, steps: int, nproc: int = 2, batch: int = 64
 ) -> dict[str, Any]:
     """A configuration in `nproc` fresh worker processes (`batch`: the global batch)."""
-    from framework.launch import spawn
+    from framework.process.launch import spawn
 
     row = spawn(worker, (kind, stage, offload, model_name, steps, batch), nproc)
     return {**row, "micro_batch": batch // nproc, "ranks": nproc}

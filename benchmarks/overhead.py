@@ -23,13 +23,14 @@ def worker(stage: int, steps: int, rounds: int, hidden: int, batch: int) -> dict
     """On every rank: raw DeepSpeed and Engine.fit, alternating; per-step times of rank 0."""
     import deepspeed
 
-    from framework import Engine, Strategy, device
-    from framework.allocator import tune_host_allocator
-    from framework.cost import param_counts
-    from framework.data import train_loader
-    from framework.ds_config import deepspeed_config
+    from framework import Engine, Strategy
+    from framework.backend.ds_config import deepspeed_config
+    from framework.data.loaders import train_loader
     from framework.models import MLP
-    from framework.plan import batch_layout
+    from framework.plan.cost import param_counts
+    from framework.plan.run_plan import batch_layout
+    from framework.process import context as device
+    from framework.process.allocator import tune_host_allocator
 
     quiet()
     device.init_process_group()
@@ -83,11 +84,11 @@ def worker(stage: int, steps: int, rounds: int, hidden: int, batch: int) -> dict
 
 
 def measure(stage: int, nproc: int, steps: int, rounds: int, hidden: int, batch: int) -> dict[str, Any]:
-    """One configuration: in this process (1) or in nproc workers (framework.launch.spawn)."""
+    """One configuration: in this process (1) or in nproc workers (framework.process.launch.spawn)."""
     if nproc == 1:
         times = worker(stage, steps, rounds, hidden, batch)
     else:
-        from framework.launch import spawn
+        from framework.process.launch import spawn
 
         times = spawn(worker, (stage, steps, rounds, hidden, batch), nproc)
     raw, fit = median(times["raw"]), median(times["fit"])

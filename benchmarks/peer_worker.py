@@ -47,7 +47,8 @@ def run_hydraspeed(name: str, steps: int) -> None:
 
     import torch
 
-    from framework import Callback, Engine, device
+    from framework import Callback, Engine
+    from framework.process import context as device
 
     model, loss, data, batch = task(name)
     stamps: list[float] = []

@@ -3,7 +3,7 @@ strategy refuses the CPU) and HF Accelerate, same data, global batch and steps, 
 on this CPU. Reported: throughput ratio ours / theirs (target >= 1.0) and time to first step
 (process start to the end of step 1). Peers come from the `bench` extra.
 
-On a CPU the framework fixes glibc's allocator thresholds (`framework.allocator.tune_host_allocator`),
+On a CPU the framework fixes glibc's allocator thresholds (`framework.process.allocator.tune_host_allocator`),
 which alone speeds a small model's step by ~30%. So that the ratio shows more than that setting,
 each peer also runs with the same thresholds, given through glibc's environment variables
 (rows "<peer> + same allocator").
@@ -30,7 +30,7 @@ PEERS = ["lightning", "accelerate"]
 
 def same_allocator_env() -> dict[str, str]:
     """glibc's environment variables for the thresholds the framework sets on a CPU run."""
-    from framework.allocator import HOST_MMAP_THRESHOLD, HOST_TRIM_THRESHOLD
+    from framework.process.allocator import HOST_MMAP_THRESHOLD, HOST_TRIM_THRESHOLD
 
     return {
         "MALLOC_MMAP_THRESHOLD_": str(HOST_MMAP_THRESHOLD),

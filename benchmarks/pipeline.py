@@ -18,8 +18,9 @@ from benchmarks.common import StepTimes, median, parse_args, print_table, quiet,
 
 def worker(stages: int, micro_batches: int, micro: int, steps: int, n_layer: int) -> list[float]:
     """Train the GPT for `steps` steps; per-step times (rank 0)."""
-    from framework import Engine, Strategy, device
+    from framework import Engine, Strategy
     from framework.models import GPT, LMLoss
+    from framework.process import context as device
 
     quiet()
     torch.set_num_threads(1)  # one core per stage, and the 1-stage run on one core too
@@ -47,7 +48,7 @@ def worker(stages: int, micro_batches: int, micro: int, steps: int, n_layer: int
 
 def measure(micro_batches: int, micro: int, steps: int, n_layer: int) -> dict[str, Any]:
     """T1 (one process, no pipeline) and T2 (two stages) at the same global batch."""
-    from framework.launch import spawn
+    from framework.process.launch import spawn
 
     one = median(spawn(worker, (1, micro_batches, micro, steps, n_layer), 1)[1:])
     two = median(spawn(worker, (2, micro_batches, micro, steps, n_layer), 2)[1:])

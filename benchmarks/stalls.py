@@ -46,9 +46,10 @@ def _naive(data: Any, collate: Any, c: float) -> list[float]:
 
 
 def _fit(data: Any, collate: Any, c: float) -> list[float]:
-    from framework import Engine, device
+    from framework import Engine
+    from framework.engine.steps import default_train_step
     from framework.models import MLP
-    from framework.steps import default_train_step
+    from framework.process import context as device
 
     def step(engine: Engine, batch: Any) -> torch.Tensor:
         time.sleep(c)

@@ -12,9 +12,10 @@ import torch
 import torchmetrics
 from torch.utils.data import DataLoader
 
-from framework import Strategy, device, shard_dataloader, to_static
-from framework.datasets import digits
+from framework import Strategy, shard_dataloader, to_static
+from framework.data.datasets import digits
 from framework.models import MLP
+from framework.process import context as device
 
 
 def main() -> None:

@@ -11,9 +11,10 @@ import json
 import torch
 import torchmetrics
 
-from framework import Engine, Strategy, device
-from framework.datasets import digits
+from framework import Engine, Strategy
+from framework.data.datasets import digits
 from framework.models import MLP
+from framework.process import context as device
 
 
 def main() -> None:

@@ -21,10 +21,11 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from framework import Engine, Strategy, device
-from framework.datasets import digits
-from framework.datasets.chars import VOCAB_SIZE, encode, stdlib_text
+from framework import Engine, Strategy
+from framework.data.datasets import digits
+from framework.data.datasets.chars import VOCAB_SIZE, encode, stdlib_text
 from framework.models import MLP
+from framework.process import context as device
 
 
 def two_batch_step(engine: Engine, dataloader_iter: Iterator[Any]) -> torch.Tensor:

@@ -5,11 +5,14 @@ Public API::
     from framework import Engine, Strategy, to_static, shard_dataloader
 """
 
-from framework import device as _device
+from framework.process import context as _device
 
 _device.configure_environment()  # before DeepSpeed picks its accelerator
 
-from framework.callbacks import (  # noqa: E402
+from framework.engine.dist_model import DistModel, shard_dataloader, to_static  # noqa: E402
+from framework.engine.engine import Engine  # noqa: E402
+from framework.errors import CheckpointError, ConfigError, NonFiniteLoss  # noqa: E402
+from framework.observe.callbacks import (  # noqa: E402
     Callback,
     Control,
     EarlyStopping,
@@ -17,11 +20,8 @@ from framework.callbacks import (  # noqa: E402
     KeepBest,
     LearningRateMonitor,
 )
-from framework.dist_model import DistModel, shard_dataloader, to_static  # noqa: E402
-from framework.engine import Engine  # noqa: E402
-from framework.errors import CheckpointError, ConfigError, NonFiniteLoss  # noqa: E402
-from framework.state import LoopState, TrainState  # noqa: E402
-from framework.strategy import Strategy  # noqa: E402
+from framework.observe.state import LoopState, TrainState  # noqa: E402
+from framework.plan.strategy import Strategy  # noqa: E402
 
 __all__ = [
     "Callback",

@@ -29,12 +29,12 @@ from pathlib import Path
 
 import torch
 
-from framework import expert_parallel
+from framework.backend import expert_parallel
+from framework.backend.weights import load_weights, save_weights
 from framework.checkpoint import safety, store
 from framework.checkpoint.manager import HF_CONFIG, HF_PREFIX
 from framework.errors import CheckpointError, ConfigError
 from framework.integrations.hf import TOKENIZER_DIR
-from framework.weights import load_weights, save_weights
 
 
 def fp32_state_dict(ckpt: str | Path) -> dict[str, torch.Tensor]:

@@ -111,8 +111,8 @@ def compose():
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from framework.argv import normalize
-    from framework.config import GROUPS, register_configs
+    from framework.cli.argv import normalize
+    from framework.cli.config import GROUPS, register_configs
 
     register_configs()
 

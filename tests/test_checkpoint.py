@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from framework import checkpoint, device
+from framework import checkpoint
 from framework.checkpoint.preemption import EXIT_PREEMPTED
 from framework.export import fp32_state_dict, load_weights
 from framework.models import MLP
+from framework.process import context as device
 
 from .conftest import FAST, ROOT, final_metrics, popen, run_cmd, run_train
 
@@ -161,7 +162,7 @@ def test_export_loads_strict_into_the_plain_model_with_the_same_predictions(tmp_
     model = MLP()
     model.load_state_dict(load_weights(out), strict=True)
     # the same predictions as the trained model in the run: its validation accuracy, recomputed
-    from framework.datasets import digits
+    from framework.data.datasets import digits
 
     valid = digits().valid
     x = torch.stack([valid[i][0] for i in range(len(valid))])
@@ -189,7 +190,7 @@ def test_engine_save_and_load_round_trip(tmp_path):
     import functools
 
     from framework import Engine
-    from framework.datasets import synthetic
+    from framework.data.datasets import synthetic
 
     data = synthetic(num_samples=256)
     torch.manual_seed(0)

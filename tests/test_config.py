@@ -8,12 +8,12 @@ from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
-from framework.argv import normalize
-from framework.cli import prepare_argv
-from framework.config import GROUPS, check_schema
-from framework.datasets import Splits
+from framework.cli.argv import normalize
+from framework.cli.config import GROUPS, check_schema
+from framework.cli.main import prepare_argv
+from framework.data.datasets import Splits
 from framework.errors import ConfigError
-from framework.strategy import Strategy
+from framework.plan.strategy import Strategy
 
 from .conftest import CONF
 
@@ -178,7 +178,7 @@ def test_every_callbacks_option_instantiates(compose, name):
 def test_every_loss_option_instantiates(compose, name):
     loss = instantiate(compose([f"loss={name}"]).loss)
     if name == "model":  # the model computes it (Engine reads outputs.loss)
-        from framework.outputs import is_model_loss
+        from framework.data.outputs import is_model_loss
 
         assert is_model_loss(loss)
         return
@@ -243,7 +243,7 @@ def test_unknown_strategy_lists_the_options(compose):
 def test_the_shipped_accuracy_equals_torchmetrics():
     import torchmetrics
 
-    from framework.metrics import Accuracy
+    from framework.observe.metrics import Accuracy
 
     ours, theirs = Accuracy(), torchmetrics.classification.MulticlassAccuracy(num_classes=10, average="micro")
     g = torch.Generator().manual_seed(0)

@@ -14,12 +14,13 @@ import types
 import pytest
 import torch
 
-from framework import Callback, Engine, Strategy, device
+from framework import Callback, Engine, Strategy
+from framework.backend.weights import load_weights
 from framework.checkpoint import safety, store
-from framework.datasets import synthetic
+from framework.data.datasets import synthetic
 from framework.export import fp32_state_dict
 from framework.models import MLP
-from framework.weights import load_weights
+from framework.process import context as device
 
 from .conftest import FAST, fails_cleanly, run_cmd, run_train, subprocess_env, torchrun
 
@@ -195,7 +196,9 @@ _SLOW_WEIGHTS_SAVE = """
 import functools, sys, time
 from pathlib import Path
 import torch
-from framework import Engine, device, watchdog, weights
+from framework import Engine
+from framework.process import context as device, watchdog
+from framework.backend import weights
 from framework.models import MLP
 
 out, real = Path(sys.argv[1]), weights.save_weights
@@ -225,8 +228,8 @@ def test_skipped_fp16_steps_are_counted_and_never_advance_the_step(monkeypatch):
     """The loop's accounting of DeepSpeed's overflow skips (fp16 cannot run on this CPU): the
     losses of a skipped step are dropped, with or without accumulation, global_step counts
     applied steps only (what max_steps, checkpoint tags and the LR schedule follow)."""
-    from framework import loops
-    from framework.state import LoopState
+    from framework.engine import loops
+    from framework.observe.state import LoopState
 
     runtime = types.SimpleNamespace(global_steps=0, skipped_steps=0, lr=0.1)
     host = types.SimpleNamespace(runtime=runtime, state=LoopState())

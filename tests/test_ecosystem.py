@@ -13,9 +13,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from framework import ConfigError, Engine, Strategy, construct, device
-from framework.datasets import chars
-from framework.runtime import Runtime
+from framework import ConfigError, Engine, Strategy
+from framework.backend.runtime import Runtime
+from framework.cli import construct
+from framework.data.datasets import chars
+from framework.process import context as device
 
 from .conftest import ROOT, fails_cleanly, run_cmd, subprocess_env
 
@@ -106,7 +108,7 @@ def test_accuracy_with_the_models_own_loss_scores_the_next_position_and_skips_ig
     for the framework's metric and for one that does not skip it itself."""
     from torchmetrics.classification import MulticlassAccuracy
 
-    from framework.metrics import Accuracy
+    from framework.observe.metrics import Accuracy
 
     torch.manual_seed(0)
     model, rows = tiny_gpt2(), Token(32)
@@ -316,7 +318,7 @@ def reference_losses(steps: int = 10) -> list[float]:
     """The same run as a plain PyTorch loop: same seed, same data order, fp32, no DeepSpeed."""
     from omegaconf import OmegaConf as OC
 
-    from framework.build import seed_everything
+    from framework.cli.build import seed_everything
 
     seed_everything(0)
     data = chars(block_size=64, max_chars=60000)
@@ -421,7 +423,7 @@ def test_the_tiny_llama_experiment_runs_under_zero3_on_two_processes(tmp_path):
 
 
 def test_hf_text_data_from_local_files(tmp_path):
-    from framework.datasets.hf import hf_text
+    from framework.data.datasets.hf import hf_text
 
     notes = tmp_path / "notes.txt"
     notes.write_text("\n".join(f"line {i}: the quick brown fox jumps over the lazy dog" for i in range(200)))

@@ -11,10 +11,11 @@ import pytest
 import torch
 import torchmetrics
 
-from framework import ConfigError, Engine, Strategy, device
-from framework.data import EvalShardSampler
-from framework.datasets import synthetic
+from framework import ConfigError, Engine, Strategy
+from framework.data.datasets import synthetic
+from framework.data.loaders import EvalShardSampler
 from framework.models import MLP
+from framework.process import context as device
 
 
 @pytest.fixture(autouse=True)
@@ -127,7 +128,7 @@ def test_bf16_strategy_trains_in_bf16():
 
 _RSS_AFTER_FREES = """
 import sys, psutil, torch
-from framework import allocator, device
+from framework.process import allocator, context as device
 applied = allocator.tune_host_allocator() if sys.argv[1] == "fix" else False
 process = psutil.Process()
 before = process.memory_info().rss
@@ -157,7 +158,7 @@ def test_freed_large_buffers_go_back_to_the_os_on_cpu():
 
 
 def test_allocator_setting_respects_the_users_malloc_variables(monkeypatch):
-    from framework import allocator
+    from framework.process import allocator
 
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     assert allocator.tune_host_allocator() is False
@@ -245,11 +246,11 @@ def test_digits_are_scikit_learns_digits_without_importing_it():
     import numpy as np
     from sklearn.datasets import load_digits
 
-    from framework.datasets.classification import _shipped_digits
+    from framework.data.datasets.classification import _shipped_digits
 
     table, reference = _shipped_digits(), load_digits()
     assert np.array_equal(table[:, :-1], reference.data) and np.array_equal(table[:, -1], reference.target)
-    code = "import sys; from framework.datasets import digits; digits(); print('sklearn' in sys.modules)"
+    code = "import sys; from framework.data.datasets import digits; digits(); print('sklearn' in sys.modules)"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert run.stdout.strip().splitlines()[-1] == "False"  # ~0.8 s of import a default run skips
 
@@ -328,8 +329,8 @@ def test_zero3_gathers_each_weight_once_per_step_after_an_evaluation_first(monke
 def test_zero3_loads_whole_weights_one_module_at_a_time(monkeypatch, tmp_path):
     import deepspeed
 
+    from framework.backend.weights import save_weights
     from framework.models import GPT, LMLoss
-    from framework.weights import save_weights
 
     torch.manual_seed(1)
     source = GPT(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=32)

@@ -2,7 +2,7 @@
 built, one step of a Mixtral with its experts split over 2 ranks equal to plain torch, and its
 checkpoints (exact resume; export and whole-weight loads refused in one line).
 
-AutoEP runs only with transformers 5.0 to 5.22.2 (`framework.expert_parallel`). Where a newer one
+AutoEP runs only with transformers 5.0 to 5.22.2 (`framework.backend.expert_parallel`). Where a newer one
 is installed, the 2-rank test installs 5.22.2 once into ~/.cache/hydraspeed-ep-env (pip --target,
 no dependencies: the installed huggingface_hub and tokenizers fit it) and puts it first on the
 workers' PYTHONPATH; it skips, saying why, only where the package index cannot be reached.
@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from framework import ConfigError
-from framework import expert_parallel as ep
-from framework.parallel import check_model
-from framework.plan import Mesh
-from framework.strategy import Strategy
+from framework.backend import expert_parallel as ep
+from framework.backend.parallel import check_model
+from framework.plan.run_plan import Mesh
+from framework.plan.strategy import Strategy
 
 from .conftest import ROOT, run_cmd, run_layout_script, subprocess_env, torchrun
 

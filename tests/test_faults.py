@@ -13,10 +13,11 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from framework import CheckpointError, ConfigError, Engine, NonFiniteLoss, Strategy, device
+from framework import CheckpointError, ConfigError, Engine, NonFiniteLoss, Strategy
 from framework.checkpoint import store
-from framework.datasets import csv_classification, synthetic
+from framework.data.datasets import csv_classification, synthetic
 from framework.models import MLP
+from framework.process import context as device
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -82,7 +83,7 @@ def test_a_non_finite_csv_cell_is_named_before_training(tmp_path):
     ],
 )
 def test_a_monitor_that_names_nothing_the_run_logs_is_refused(compose, overrides, words):
-    from framework.build import check_monitors
+    from framework.cli.build import check_monitors
 
     cfg = compose(overrides)
     with pytest.raises(ConfigError, match=words):
@@ -163,7 +164,7 @@ class Payload:
 
 
 def test_weights_files_that_cannot_be_loaded_are_named(tmp_path):
-    from framework.weights import load_weights
+    from framework.backend.weights import load_weights
 
     marker = tmp_path / "marker"
     torch.save({"w": torch.zeros(2), "x": Payload(marker)}, tmp_path / "payload.pt")
@@ -185,7 +186,7 @@ def test_weights_files_that_cannot_be_loaded_are_named(tmp_path):
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_weights_of_another_model_name_the_keys_and_shapes(stage):
-    from framework.weights import load_whole
+    from framework.backend.weights import load_whole
 
     run = engine(stage)
     run.prepare("train", 32)
@@ -229,7 +230,7 @@ def test_export_to_a_path_under_a_file_is_one_line(tmp_path, capsys):
 
 
 def test_a_timeout_too_short_for_a_start_is_refused(compose):
-    from framework.config import check_schema
+    from framework.cli.config import check_schema
 
     with pytest.raises(ConfigError, match=r"trainer.timeout_s=0.01: must be a finite number >= 5"):
         check_schema(compose(["trainer.timeout_s=0.01"]))
@@ -314,7 +315,8 @@ def test_a_stopped_conversion_is_ended_with_one_line(tmp_path):
     script = f"""
 import os, signal, threading, time
 from pathlib import Path
-from framework import watchdog, CheckpointError
+from framework import CheckpointError
+from framework.process import watchdog
 from framework.checkpoint import store
 
 def stop_the_converter():

@@ -12,10 +12,11 @@ import torch
 import torchmetrics
 from torch.utils.data import DataLoader, TensorDataset
 
-from framework import ConfigError, DistModel, Engine, Strategy, device, shard_dataloader, to_static
-from framework.cost import live_tensor_bytes
-from framework.datasets import digits, synthetic
+from framework import ConfigError, DistModel, Engine, Strategy, shard_dataloader, to_static
+from framework.data.datasets import digits, synthetic
 from framework.models import MLP
+from framework.plan.cost import live_tensor_bytes
+from framework.process import context as device
 
 from .conftest import ROOT, run_cmd, torchrun
 

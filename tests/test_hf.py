@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from framework import Engine, Strategy, device
+from framework import Engine, Strategy
+from framework.process import context as device
 
 from .conftest import ROOT, run_cmd, run_train
 
@@ -217,7 +218,7 @@ def classification_files(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("suffix", ["jsonl", "csv", "parquet"])
 def test_classification_rows_from_jsonl_csv_and_parquet(classification_files, suffix):
-    from framework.datasets.text_classification import hf_classification
+    from framework.data.datasets.text_classification import hf_classification
 
     splits = hf_classification(
         str(classification_files / f"rows.{suffix}"), tokenizer=str(classification_files / "tokenizer")
@@ -235,9 +236,9 @@ def test_classification_rows_from_jsonl_csv_and_parquet(classification_files, su
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_tiny_bert_learns_a_generated_rule_from_a_jsonl_file(classification_files, stage):
-    from framework.datasets.text_classification import hf_classification
+    from framework.data.datasets.text_classification import hf_classification
     from framework.integrations import hf
-    from framework.metrics import Accuracy
+    from framework.observe.metrics import Accuracy
 
     splits = hf_classification(
         str(classification_files / "rows.jsonl"), tokenizer=str(classification_files / "tokenizer")
@@ -259,7 +260,7 @@ def test_a_tiny_bert_learns_a_generated_rule_from_a_jsonl_file(classification_fi
 
 def test_a_tokenizer_larger_than_the_models_vocabulary_is_one_line_naming_both(classification_files):
     from framework import ConfigError
-    from framework.datasets.text_classification import hf_classification
+    from framework.data.datasets.text_classification import hf_classification
     from framework.integrations import hf
 
     splits = hf_classification(
@@ -279,7 +280,7 @@ def test_a_dataset_target_may_return_a_dataset_dict():
     import datasets
 
     from framework import ConfigError
-    from framework.datasets import Splits
+    from framework.data.datasets import Splits
     from framework.integrations import hf
 
     rows = datasets.Dataset.from_dict({"input_ids": [[1, 2], [3, 4], [5, 6]], "labels": [0, 1, 0]})
@@ -291,7 +292,7 @@ def test_a_dataset_target_may_return_a_dataset_dict():
     ):
         hf.as_splits(datasets.DatasetDict(train=rows, extra=rows))
     with pytest.raises(
-        ConfigError, match="returned a list: a dataset target returns framework.datasets.Splits"
+        ConfigError, match="returned a list: a dataset target returns framework.data.datasets.Splits"
     ):
         hf.as_splits([rows, rows])
 
@@ -344,7 +345,7 @@ def test_hf_text_takes_the_tokenizer_of_the_models_directory(tmp_path, capsys):
     (before, the bytes of the text were the tokens, silently); a dir without one changes nothing."""
     from omegaconf import OmegaConf
 
-    from framework.build import _tokenizer_from_model_dir
+    from framework.cli.build import _tokenizer_from_model_dir
 
     word_tokenizer([r["text"] for r in rule_rows(50)]).save_pretrained(tmp_path / "with")
     (tmp_path / "without").mkdir()
@@ -402,7 +403,7 @@ def test_the_parameter_count_of_a_model_directory_is_its_models(tmp_path, tied):
     2.39 M model: the weight files' bytes / 2), tied embeddings once."""
     from omegaconf import OmegaConf
 
-    from framework.construct import count_parameters
+    from framework.cli.construct import count_parameters
 
     model = tiny_llama()
     model.config.tie_word_embeddings = tied
@@ -413,7 +414,7 @@ def test_the_parameter_count_of_a_model_directory_is_its_models(tmp_path, tied):
 
 
 def test_a_resumed_run_says_from_which_step_and_checkpoint(tmp_path, capsys):
-    from framework.datasets import synthetic
+    from framework.data.datasets import synthetic
     from framework.models import MLP
 
     data = synthetic(num_samples=256).train
@@ -432,7 +433,7 @@ def test_a_resumed_run_says_from_which_step_and_checkpoint(tmp_path, capsys):
 
 
 def test_the_console_copy_keeps_plain_lines_and_leaves_live_redraws_out(tmp_path, capsys):
-    from framework.runlog import tee
+    from framework.observe.runlog import tee
 
     log = tmp_path / "train.log"
     with tee(log):

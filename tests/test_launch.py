@@ -11,8 +11,9 @@ import time
 import pytest
 import yaml
 
-from framework import ConfigError, device
-from framework.cli import launch_job
+from framework import ConfigError
+from framework.cli.main import launch_job
+from framework.process import context as device
 
 from .conftest import FAST, ROOT, final_metrics, popen, run_cmd, run_train
 
@@ -181,7 +182,7 @@ def test_submitit_local_launcher_runs_a_job(tmp_path):
 
 
 def test_devices_under_a_launcher_count_processes_per_machine(monkeypatch):
-    from framework.launch import check_launched_devices
+    from framework.process.launch import check_launched_devices
 
     # two machines of four processes each (torchrun --nnodes=2 --nproc-per-node=4, or Slurm)
     monkeypatch.setenv("WORLD_SIZE", "8")

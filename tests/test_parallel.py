@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from framework import ConfigError, Engine, Strategy
-from framework.ds_config import deepspeed_config
+from framework.backend.ds_config import deepspeed_config
+from framework.backend.parallel import check_model, split_numel, tp_plan_of
 from framework.models import GPT, MLP, LMLoss
-from framework.parallel import check_model, split_numel, tp_plan_of
-from framework.plan import Mesh, batch_layout, mesh_of
-from framework.strategy import parse_tp_style
+from framework.plan.run_plan import Mesh, batch_layout, mesh_of
+from framework.plan.strategy import parse_tp_style
 
 from .conftest import run_layout_script
 

@@ -18,14 +18,16 @@ import json
 import pytest
 import torch
 
-from framework import Callback, ConfigError, Engine, Strategy, device, schedulers
-from framework.data import BatchIterator, Prefetcher
-from framework.datasets import synthetic
-from framework.items import counted_items, step_weights
+from framework import Callback, ConfigError, Engine, Strategy
+from framework.data.datasets import synthetic
+from framework.data.loaders import BatchIterator, Prefetcher
+from framework.data.outputs import ModelLoss
+from framework.engine import schedulers
+from framework.engine.items import counted_items, step_weights
 from framework.models import MLP, LMLoss
-from framework.outputs import ModelLoss
-from framework.plan import Mesh, step_budget
-from framework.plan import batch_layout as layout_of
+from framework.plan.run_plan import Mesh, step_budget
+from framework.plan.run_plan import batch_layout as layout_of
+from framework.process import context as device
 
 from .conftest import FAST, run_layout_script, run_train
 
@@ -332,8 +334,8 @@ def test_the_command_line_and_the_python_api_share_names_and_defaults(compose, t
     CLI's logger group decides, named here."""
     import inspect
 
-    from framework.build import build_fit_config
-    from framework.fit_config import FitConfig
+    from framework.cli.build import build_fit_config
+    from framework.engine.fit_config import FitConfig
 
     cfg = compose()
     built = build_fit_config(cfg, tmp_path, handle_preemption=False, resume=None).as_kwargs()
@@ -344,7 +346,7 @@ def test_the_command_line_and_the_python_api_share_names_and_defaults(compose, t
 
 
 def test_old_trainer_keys_still_work_with_one_line(compose, tmp_path, capsys):
-    from framework.build import build_fit_config
+    from framework.cli.build import build_fit_config
 
     cfg = compose(["trainer.log_every=3", "trainer.checkpoint.every_n_steps=7", "trainer.valid_freq=2"])
     built = build_fit_config(cfg, tmp_path, handle_preemption=False, resume=None)

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from framework import ConfigError, Strategy
-from framework import sequence_parallel as sp
-from framework.items import counted_items, step_weights
-from framework.metrics import Accuracy, MetricSet
+from framework.backend import sequence_parallel as sp
+from framework.backend.parallel import check_model
+from framework.data.outputs import ModelLoss
+from framework.engine.items import counted_items, step_weights
+from framework.engine.steps import update_metrics
 from framework.models import GPT, LMLoss
-from framework.outputs import ModelLoss
-from framework.parallel import check_model
-from framework.plan import Mesh
-from framework.steps import update_metrics
+from framework.observe.metrics import Accuracy, MetricSet
+from framework.plan.run_plan import Mesh
 
 from .conftest import ROOT, final_metrics, run_layout_script, run_train
 

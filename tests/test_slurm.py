@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from framework import checkpoint, slurm, sweep
+from framework import checkpoint
+from framework.cli import sweep
+from framework.process import slurm
 
 from .conftest import FAST, ROOT, final_metrics, popen, run_cmd, subprocess_env
 from .slurm_cluster import SlurmCluster, ensure_installed

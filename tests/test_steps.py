@@ -10,8 +10,10 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from framework import Callback, ConfigError, Engine, Strategy, device, loops
+from framework import Callback, ConfigError, Engine, Strategy
+from framework.engine import loops
 from framework.models import MLP
+from framework.process import context as device
 
 from .conftest import FAST, ROOT, fails_cleanly, final_metrics, run_cmd, run_train
 

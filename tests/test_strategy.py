@@ -7,10 +7,10 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
-from framework.ds_config import auto_sizes, deepspeed_config
+from framework.backend.ds_config import auto_sizes, deepspeed_config
 from framework.errors import ConfigError
-from framework.plan import batch_layout
-from framework.strategy import Amp, Sharding, Strategy
+from framework.plan.run_plan import batch_layout
+from framework.plan.strategy import Amp, Sharding, Strategy
 
 from .conftest import CONF
 
@@ -241,8 +241,8 @@ def test_host_only_strategy_drops_offload_and_keeps_the_rest():
 def test_zero3_prefetch_and_live_parameters_hold_whole_transformer_blocks():
     """A transformer's block is larger than its largest tensor: ZeRO-3 prefetches a block and
     keeps about two of them gathered."""
-    from framework.cost import largest_block
     from framework.models import GPT
+    from framework.plan.cost import largest_block
 
     model = GPT(n_layer=2, n_embd=256, n_head=4)
     block = largest_block(model)
@@ -257,7 +257,8 @@ def test_offload_on_a_gpu_without_ninja_keeps_the_torch_optimizer_and_says_why(m
 
     import torch
 
-    from framework import device, placement
+    from framework.backend import placement
+    from framework.process import context as device
 
     monkeypatch.setattr(device, "cuda_available", lambda: True)  # where CPU Adam would be chosen
     which = shutil.which

@@ -15,12 +15,13 @@ import torch
 import transformers
 from omegaconf import OmegaConf
 
-from framework import Callback, checkpoint, construct
+from framework import Callback, checkpoint
 from framework.checkpoint import manager, safety, store
+from framework.cli import construct
 from framework.errors import CheckpointError
 from framework.export import fp32_state_dict, load_weights, main, save_weights
 from framework.models import LMLoss
-from framework.plan import Mesh
+from framework.plan.run_plan import Mesh
 
 from .conftest import CONF, final_metrics, run_train
 from .test_checkpoint import SLOW, kill_after, records, start
@@ -51,7 +52,7 @@ class LiveWeights(Callback):
 
 
 def _validation_batch() -> tuple[torch.Tensor, torch.Tensor]:
-    from framework.datasets import chars
+    from framework.data.datasets import chars
 
     valid = chars(block_size=64, max_chars=MAX_CHARS, val_fraction=0.1).valid
     rows = [valid[i] for i in range(len(valid))]

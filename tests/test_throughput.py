@@ -7,9 +7,10 @@ import functools
 import pytest
 import torch
 
-from framework import Engine, Strategy, device
-from framework.datasets import chars, synthetic
+from framework import Engine, Strategy
+from framework.data.datasets import chars, synthetic
 from framework.models import GPT, MLP, LMLoss
+from framework.process import context as device
 
 
 @pytest.fixture(autouse=True)

@@ -109,9 +109,9 @@ def test_overriding_an_untyped_key_composes_the_config_once(tmp_path):
 def test_the_dry_run_prints_the_deepspeed_config_the_runtime_passes(compose, capsys, tmp_path):
     """GPT at ZeRO-3: the printed config has the sizes DeepSpeed gets (its prefetch bucket is
     sized by the largest transformer block, not the largest tensor)."""
-    from framework import device
-    from framework.build import build_engine, build_strategy, train
-    from framework.runtime import Runtime
+    from framework.backend.runtime import Runtime
+    from framework.cli.build import build_engine, build_strategy, train
+    from framework.process import context as device
 
     overrides = ["model=gpt", "data=chars", "loss=lm", "metrics=none", "+strategy=zero3"]
     overrides += ["data.dataset.max_chars=20000"]
@@ -156,10 +156,11 @@ def test_saved_deepspeed_config_is_what_deepspeed_received(tmp_path):
 
     import torch
 
-    from framework import Engine, Strategy, device
-    from framework.cost import param_counts
-    from framework.ds_config import auto_sizes
+    from framework import Engine, Strategy
+    from framework.backend.ds_config import auto_sizes
     from framework.models import MLP
+    from framework.plan.cost import param_counts
+    from framework.process import context as device
 
     run = run_train(["+strategy=zero3", *FAST], tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]

@@ -20,11 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from framework import CheckpointError, ConfigError, Engine, NonFiniteLoss, Strategy, checkpoint, device
+from framework import CheckpointError, ConfigError, Engine, NonFiniteLoss, Strategy, checkpoint
 from framework.checkpoint import safety, store
-from framework.datasets import csv_classification, synthetic
+from framework.data.datasets import csv_classification, synthetic
 from framework.export import fp32_state_dict
 from framework.models import MLP
+from framework.process import context as device
 
 from .conftest import FAST, ROOT, fails_cleanly, final_metrics, popen, run_cmd, run_train, subprocess_env
 
@@ -278,7 +279,7 @@ def test_engine_load_reads_zero_partitions_of_another_data_parallel_size(tmp_pat
     ],
 )
 def test_values_that_would_crash_mid_run_are_refused_at_composition(compose, override, words):
-    from framework.config import check_schema
+    from framework.cli.config import check_schema
 
     with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
         check_schema(compose([override]))
@@ -390,7 +391,7 @@ def test_the_python_api_under_torchrun_exits_zero_without_explicit_teardown(tmp_
     script.write_text(
         "import functools, torch\n"
         "from framework import Engine, Strategy\n"
-        "from framework.datasets import synthetic\n"
+        "from framework.data.datasets import synthetic\n"
         "from framework.models import MLP\n"
         "data = synthetic(num_samples=256)\n"
         "engine = Engine(MLP(hidden=[16]), torch.nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1),\n"
@@ -423,7 +424,7 @@ def test_the_python_api_is_watched_too_when_given_a_timeout(tmp_path):
     script = (
         "import functools, torch\n"
         "from framework import Engine\n"
-        "from framework.datasets import synthetic\n"
+        "from framework.data.datasets import synthetic\n"
         "from framework.models import MLP\n"
         "from tests.helpers import StallOnRank\n"
         "engine = Engine(MLP(hidden=[16]), torch.nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1),"

@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from framework import device as dev
 from framework.errors import ConfigError
+from framework.process import context as dev
 
 LOCK = ".lock"
 

@@ -20,18 +20,18 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from framework import device as dev
-from framework import watchdog
-from framework.callbacks import Callback
+from framework.backend.weights import is_hf_model, whole_shape
 from framework.checkpoint import preemption, safety, store
 from framework.errors import CheckpointError, ConfigError
-from framework.metrics import Metrics
-from framework.state import LoopState
-from framework.weights import is_hf_model, whole_shape
+from framework.observe.callbacks import Callback
+from framework.observe.metrics import Metrics
+from framework.observe.state import LoopState
+from framework.process import context as dev
+from framework.process import watchdog
 
 if TYPE_CHECKING:
-    from framework.plan import Mesh
-    from framework.runtime import Runtime
+    from framework.backend.runtime import Runtime
+    from framework.plan.run_plan import Mesh
 
 
 @dataclass

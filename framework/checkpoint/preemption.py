@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from framework import device as dev
+from framework.process import context as dev
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 # Exit code of a job that stopped for a preemption signal after saving a checkpoint: "not done,

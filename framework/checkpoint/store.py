@@ -25,11 +25,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from framework import device as dev
-from framework import watchdog
 from framework.checkpoint import safety
 from framework.checkpoint.lock import LOCK, acquire_lock, release_lock
 from framework.errors import CheckpointError, ConfigError
+from framework.process import context as dev
+from framework.process import watchdog
 
 COMPLETE = "COMPLETE.json"
 BAD = "BAD.json"  # a complete checkpoint whose weights gave a NaN/inf loss

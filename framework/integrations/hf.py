@@ -15,10 +15,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from framework import device as dev
-from framework.datasets.classification import Splits
+from framework.backend.weights import is_hf_model
+from framework.data.datasets.classification import Splits
 from framework.errors import ConfigError
-from framework.weights import is_hf_model
+from framework.process import context as dev
 
 TOKENIZER_DIR = "tokenizer"  # in a checkpoints dir: the files of the tokenizer the run trained with
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -36,12 +36,12 @@ def as_splits(data: Any) -> Splits:
         if valid is None:
             raise ConfigError(
                 f"data.dataset returned splits {keys}: name one 'validation' (or 'valid' / 'test'), "
-                "or return framework.datasets.Splits(train, valid)"
+                "or return framework.data.datasets.Splits(train, valid)"
             )
         return Splits(_torch_rows(data["train"]), _torch_rows(data[valid]))
     raise ConfigError(
         f"data.dataset returned a {type(data).__name__}: a dataset target returns "
-        "framework.datasets.Splits(train, valid) or a datasets.DatasetDict with a 'train' split"
+        "framework.data.datasets.Splits(train, valid) or a datasets.DatasetDict with a 'train' split"
     )
 
 

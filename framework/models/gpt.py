@@ -77,7 +77,7 @@ class GPT(nn.Module):
 
     `tensor_parallel_plan` says how its linears split under tensor parallelism (Megatron's
     layout: heads and the MLP's hidden units split, one all-reduce after attention and one after
-    the MLP; the tied embedding / head stays whole). See `framework.strategy.TensorParallel`."""
+    the MLP; the tied embedding / head stays whole). See `framework.plan.strategy.TensorParallel`."""
 
     tensor_parallel_plan = {
         "blocks.*.qkv": "column:3",

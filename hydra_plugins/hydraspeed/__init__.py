@@ -77,7 +77,7 @@ class SlurmLauncher(_SubmititSlurmLauncher):  # type: ignore[misc]
     def _summarise(self, exc: BaseException) -> str:
         """The sweep summary (Hydra's end-of-sweep callbacks do not run after a launcher error)
         and one line on the job that ended without a result (preempted, not requeued, or killed)."""
-        from framework import sweep
+        from framework.cli import sweep
 
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep.print_summary(sweep.write_summary(sweep_dir), sweep_dir)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from framework import Callback, device
+from framework import Callback
+from framework.process import context as device
 
 
 class RaiseOnRank(Callback):

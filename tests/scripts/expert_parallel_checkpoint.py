@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 from transformers import MixtralConfig, MixtralForCausalLM
 
-from framework import Callback, ConfigError, Engine, Strategy, device
+from framework import Callback, ConfigError, Engine, Strategy
 from framework.export import fp32_state_dict
+from framework.process import context as device
 
 out = Path(sys.argv[1])
 torch.manual_seed(0)

@@ -33,8 +33,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from framework import Callback, Engine, Strategy, device
+from framework import Callback, Engine, Strategy
 from framework.models import GPT, LMLoss
+from framework.process import context as device
 
 
 def arg(i, default):
@@ -135,7 +136,7 @@ def exported(engine, model, out):
     """The weights `Engine.save(training=False)` writes, as a fresh model loads them: a Hugging
     Face model's `save_pretrained` directory through `from_pretrained`, else a safetensors file
     through `load_state_dict(strict=True)`."""
-    from framework.weights import load_weights
+    from framework.backend.weights import load_weights
 
     hf = hasattr(model, "save_pretrained")
     written = engine.save(str(out if hf else out.with_suffix(".safetensors")), training=False)

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import torch
 
-from framework import Engine, Strategy, device
+from framework import Engine, Strategy
 from framework.models import MLP
+from framework.process import context as device
 
 out_dir = Path(sys.argv[1])
 torch.manual_seed(0)

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import torch
 
-from framework import Engine, Strategy, device
+from framework import Engine, Strategy
+from framework.backend.weights import load_weights
 from framework.models import GPT, LMLoss
-from framework.weights import load_weights
+from framework.process import context as device
 
 out_dir = Path(sys.argv[1])
 torch.manual_seed(0)

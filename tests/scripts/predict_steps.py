@@ -10,9 +10,10 @@ from pathlib import Path
 
 import torch
 
-from framework import Engine, device
-from framework.datasets import synthetic
+from framework import Engine
+from framework.data.datasets import synthetic
 from framework.models import MLP
+from framework.process import context as device
 
 
 class WithPredictStep(MLP):

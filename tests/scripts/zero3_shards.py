@@ -8,9 +8,10 @@ from pathlib import Path
 
 import torch
 
-from framework import Engine, Strategy, device
+from framework import Engine, Strategy
+from framework.backend.runtime import Runtime
 from framework.models import MLP
-from framework.runtime import Runtime
+from framework.process import context as device
 
 out_dir = Path(sys.argv[1])
 # Nothing persistent (whole on every rank), so every parameter must be partitioned.

@@ -1,0 +1,167 @@
+"""Tensor, sequence and expert parallelism: what a model must satisfy, and its tensor-parallel plan.
+
+The degrees live in the `Strategy`, the mesh of ranks in `framework.plan`; DeepSpeed's AutoTP,
+Ulysses and AutoEP do the splitting (their JSON keys in `framework.backend.ds_config`). This module reads
+the model: the head and expert counts a degree must divide (checked before DeepSpeed is built, a
+one-line error instead of a shape error deep in a forward), and which plan splits its linears.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from framework.backend import expert_parallel, sequence_parallel
+from framework.backend.weights import is_hf_model
+from framework.errors import ConfigError
+from framework.plan.run_plan import Mesh
+from framework.plan.strategy import Strategy, parse_tp_style, plan_regex
+from framework.process import context as dev
+
+# Where a model states its head and expert counts: Hugging Face config names, then ours.
+_HEADS = ("num_attention_heads", "n_head", "num_heads")
+_KV_HEADS = ("num_key_value_heads",)
+_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def _config_value(module: nn.Module, names: tuple[str, ...]) -> int | None:
+    config = getattr(module, "config", None)
+    config = getattr(config, "text_config", None) or config
+    for source in (config, module):
+        for name in names:
+            value = getattr(source, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
+def tp_plan_of(strategy: Strategy, module: nn.Module) -> dict[str, str] | None:
+    """The tensor-parallel plan for `module`: the strategy's, else the model's own
+    `tensor_parallel_plan`; None leaves the choice to DeepSpeed (a Hugging Face model's
+    `tp_plan`, or the strategy's preset)."""
+    tp = strategy.tensor_parallel
+    if tp.degree <= 1:
+        return None
+    if tp.plan:
+        return dict(tp.plan)
+    own = getattr(module, "tensor_parallel_plan", None)
+    if own:
+        return dict(own)
+    if tp.preset or is_hf_model(module):
+        return None
+    raise ConfigError(
+        f"strategy.tensor_parallel.degree={tp.degree}: {type(module).__name__} says nothing of how its linears "
+        "split; give strategy.tensor_parallel.plan (module name -> column / row / replicate), a "
+        "`tensor_parallel_plan` attribute on the model, or strategy.tensor_parallel.preset"
+    )
+
+
+def _plan_regexes(plan: dict[str, str]) -> list[re.Pattern[str]]:
+    """The module-name patterns of a plan's split layers (`*` = one name part)."""
+    out = []
+    for pattern, style in plan.items():
+        if parse_tp_style(pattern, style)[0] == "replicate":
+            continue
+        out.append(re.compile(plan_regex(pattern, "weight|bias")))
+    return out
+
+
+def split_numel(module: nn.Module, strategy: Strategy) -> tuple[int, int]:
+    """(parameters tensor parallelism splits, parameters expert parallelism splits) of `module`
+    under `strategy`, for the memory estimate. Without a plan (a Hugging Face model's own
+    `tp_plan`), the linear layers inside repeated blocks count as split, as they do under the
+    usual column / row plans; experts are the parameters under an `experts` module."""
+    tp, ep = strategy.tensor_parallel.degree, strategy.expert_parallel.degree
+    named = [(name, p.numel()) for name, p in module.named_parameters()]
+    tp_split = ep_split = 0
+    if tp > 1:
+        plan = strategy.tensor_parallel.plan or getattr(module, "tensor_parallel_plan", None)
+        if plan:
+            regexes = _plan_regexes(dict(plan))
+            tp_split = sum(n for name, n in named if any(r.match(name) for r in regexes))
+        else:
+            linears = {
+                f"{mod_name}.{p_name}"
+                for mod_name, mod in module.named_modules()
+                if isinstance(mod, nn.Linear) and re.search(r"\.\d+\.", f".{mod_name}.")
+                for p_name, _ in mod.named_parameters(recurse=False)
+            }
+            tp_split = sum(n for name, n in named if name in linears)
+    if ep > 1:
+        ep_split = sum(n for name, n in named if ".experts." in f".{name}")
+    return tp_split, ep_split
+
+
+def check_model(strategy: Strategy, mesh: Mesh, module: nn.Module) -> None:
+    """One-line errors for degrees the model cannot take (heads, key-value heads, experts)."""
+    heads = _config_value(module, _HEADS)
+    kv = _config_value(module, _KV_HEADS) or heads
+    for name, degree in (("tensor_parallel", mesh.tp_size), ("sequence_parallel", mesh.sp_size)):
+        if degree <= 1:
+            continue
+        for what, count in (("attention heads", heads), ("key-value heads", kv)):
+            if count is not None and count % degree:
+                raise ConfigError(
+                    f"strategy.{name}.degree={degree} does not divide the model's {count} {what}; "
+                    f"use a degree that divides {count}"
+                )
+    if mesh.sp_size > 1:
+        sequence_parallel.check_model(module, mesh.sp_size)
+    if mesh.ep_size > 1:
+        experts = _config_value(module, _EXPERTS)
+        if experts is None:
+            raise ConfigError(
+                f"strategy.expert_parallel.degree={mesh.ep_size}: {type(module).__name__} has no mixture-of-experts "
+                "layers that DeepSpeed's AutoEP knows (a Hugging Face MoE model such as Mixtral or Qwen3-MoE)"
+            )
+        if experts % mesh.ep_size:
+            raise ConfigError(
+                f"strategy.expert_parallel.degree={mesh.ep_size} does not divide the model's {experts} experts; "
+                f"use a degree that divides {experts}"
+            )
+        expert_parallel.check_transformers()
+
+
+def process_groups(mesh: Mesh, module: nn.Module | None = None) -> object | None:
+    """What DeepSpeed's `initialize` takes as `mpu` for this mesh: DeepSpeed's own groups module,
+    with its tensor-parallel mesh made first, so DeepSpeed's batch check counts data-parallel
+    ranks, not processes (AutoTP would make the same mesh only later, inside the engine); under
+    sequence parallelism its sequence-parallel groups, `module`'s attention switched to Ulysses
+    (`framework.backend.sequence_parallel.prepare`)."""
+    if mesh.sp_size > 1 and module is not None:
+        return sequence_parallel.prepare(module, mesh)
+    if mesh.tp_size <= 1:
+        return None
+    from deepspeed.utils import groups
+
+    groups._init_tp_mesh_device(tensor_model_parallel_size=mesh.tp_size)
+    return groups
+
+
+def grad_norm(params: list[nn.Parameter], mesh: Mesh) -> torch.Tensor | None:
+    """The global L2 norm of `params`' gradients on a rank whose data-parallel gradients are
+    already reduced (ZeRO-0): a tensor-parallel layer's shards are summed over its ranks, a
+    weight every such rank holds whole counts once (DeepSpeed's rule for model-parallel norms);
+    experts split over ranks count on each. Collective over the tensor- and expert-parallel ranks.
+    Stays a tensor: no device sync."""
+    split, experts = mesh.tp_size > 1, mesh.ep_size > 1
+    grads = [
+        p.grad.detach().float()
+        for p in params
+        if p.grad is not None
+        and (not split or mesh.mp_rank == 0 or getattr(p, "tensor_model_parallel", False))
+        and not (experts and expert_parallel.is_expert_param(p))
+    ]
+    if not grads and not split and not experts:
+        return None
+    squares = torch.stack(torch._foreach_norm(grads)).square().sum() if grads else torch.zeros(())
+    if split:
+        from deepspeed.utils import groups
+
+        squares = squares.to(dev.collective_device())
+        torch.distributed.all_reduce(squares, group=groups.get_tensor_model_parallel_group())
+    if experts:  # each rank's experts are others: their squares are summed over the expert ranks
+        squares = squares + expert_parallel.expert_grad_squares(params).to(squares.device)
+    return squares.sqrt()

@@ -1,0 +1,17 @@
+"""The command line: the only package that imports Hydra and OmegaConf.
+
+Rule: imports any package of the framework; nothing imports it (but `train.py` and the Hydra
+launcher plugin). Every object is built here from a composed config (`build`), and workers get
+plain dicts, never Hydra's global state.
+
+* `main`       `train.py`'s entry: argv, launching, the one-line error a user sees;
+* `argv`       the command line as Hydra will see it (group choices, key typos);
+* `config`     the config schema (dataclasses in Hydra's ConfigStore) and its checks;
+* `build`      a composed config -> the Engine and its parts (the one place);
+* `construct`  building a model under ZeRO-3: whole or partitioned, exactly;
+* `sweep`      the summary of a multirun.
+"""
+
+from framework.cli.main import prepare_argv, run
+
+__all__ = ["prepare_argv", "run"]

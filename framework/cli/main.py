@@ -1,0 +1,376 @@
+"""Hydra entry: argv, launching, and the error text a user sees.
+
+`train.py` is a few lines around `run(cfg)`. The straight line::
+
+    prepare_argv -> Hydra composes conf/ -> run(cfg)
+      -> launch (in-process, or N local workers)
+      -> framework.cli.build.train(cfg, output_dir) -> the monitored value
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, NoReturn
+
+from hydra.errors import InstantiationException
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from framework.checkpoint import preemption
+from framework.checkpoint.store import complete_checkpoints, read_meta
+from framework.cli import sweep
+from framework.cli.argv import HydraView, check_group_choice, check_untyped_keys, normalize, untyped_overrides
+from framework.cli.build import checkpoint_dir, train, validate
+from framework.cli.config import check_override, register_configs
+from framework.errors import CheckpointError, ConfigError, NonFiniteLoss
+from framework.observe import runlog
+from framework.process import context as dev
+from framework.process import slurm, watchdog
+from framework.process.launch import Interrupted, WorkerFailed, check_devices, join_slurm_tasks, spawn
+
+register_configs()
+
+
+def prepare_argv(argv: list[str] | None = None, conf_dir: Path | None = None) -> None:
+    """Rewrite `sys.argv` before Hydra parses it (`conf_dir`: the app's configs, default the
+    `conf/` beside the script).
+
+    * `+group=x` -> `group=x` for groups of the primary config's defaults list (both forms work).
+    * `--local_rank=N` from the `deepspeed` launcher is dropped (LOCAL_RANK carries it).
+    * overrides are checked against what Hydra will see (the user's --config-dir, --config-name,
+      hydra.searchpath included), so a typo names the nearest key or lists the options.
+    * the working directory is importable (a project's own modules, as `python -m` does).
+    * On ranks > 0 of a job started by a launcher (torchrun, deepspeed, srun), Hydra must not
+      create a second output dir or log file: rank 0's dir is shared with them after the
+      process group forms.
+    """
+    argv = sys.argv if argv is None else argv
+    argv[1:] = [a for a in argv[1:] if not a.startswith(("--local_rank=", "--local-rank="))]
+    view = HydraView.from_argv(argv, conf_dir or Path(argv[0]).resolve().parent / "conf")
+    if any(a.startswith("+") and not a.startswith("++") for a in view.overrides):
+        groups = view.default_groups()
+        argv[1:] = normalize(argv[1:], groups)
+        view.overrides = normalize(view.overrides, groups)
+    if os.getcwd() not in sys.path:
+        sys.path.insert(1, os.getcwd())
+    if not view.may_set_run_mode():
+        _skip_mode_probe()
+    try:
+        for item in view.overrides:
+            check_override(item)
+            check_group_choice(item, view)
+            check_path_length(item)
+    except ConfigError as exc:
+        _exit_config_error(exc)
+    if untyped_overrides(view.overrides):
+        _name_unknown_keys()
+    join_slurm_tasks()  # the tasks of a plain `srun` step learn their ranks here, before Hydra runs
+    if dev.launched() and int(os.environ.get("RANK", "0")) > 0:
+        argv.extend(["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout"])
+
+
+PATH_KEYS = ("hydra.run.dir", "hydra.sweep.dir", "trainer.checkpoint.dir")
+
+
+def check_path_length(item: str) -> None:
+    """A dir override the file system cannot hold (a name over 255 bytes, a path over 4096) is
+    named before Hydra tries to create it."""
+    key, _, value = item.lstrip("+").partition("=")
+    if key not in PATH_KEYS or not value:
+        return
+    longest = max(len(part.encode()) for part in value.split("/"))
+    if longest > 255 or len(value.encode()) > 4095:
+        raise ConfigError(
+            f"{key}: a path of {len(value):,} characters (longest name {longest:,}) is more than the file "
+            "system allows (255 per name, 4,095 in all); choose a shorter one"
+        )
+
+
+def _exit_config_error(exc: ConfigError) -> NoReturn:
+    """End before the run starts: `Error: ...` in one line (from rank 0), exit 1."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        raise exc
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"Error: {exc}", file=sys.stderr)
+    sys.exit(1)
+
+
+def _name_unknown_keys() -> None:
+    """Hydra composes with every node closed (struct mode), so `model.hiden=3` fails inside its
+    own composition, in six lines. When a composition fails, the overrides of untyped groups are
+    checked on the config composed without them (on this error path only: a run composes once),
+    and a key that is not there ends the run in one line naming the nearest key. Hydra 1.3's
+    loader method is wrapped for this process only when it has the expected signature."""
+    import inspect
+
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.errors import ConfigCompositionException
+
+    load = ConfigLoaderImpl.load_configuration
+    params = ["self", "config_name", "overrides", "run_mode", "from_shell", "validate_sweep_overrides"]
+    if getattr(load, "names_unknown_keys", False) or list(inspect.signature(load).parameters) != params:
+        return
+
+    def load_configuration(self: Any, config_name: Any, overrides: list[str], *args: Any, **kw: Any) -> Any:
+        try:
+            return load(self, config_name, overrides, *args, **kw)
+        except ConfigCompositionException as failure:
+            untyped = untyped_overrides(overrides)
+            if not untyped:
+                raise
+            try:
+                cfg = load(self, config_name, [o for o in overrides if o not in untyped], *args, **kw)
+                check_untyped_keys(cfg, untyped)
+            except ConfigError as exc:
+                _exit_config_error(exc)
+            except Exception:  # noqa: BLE001 - the failure is elsewhere: Hydra says what
+                pass
+            raise failure
+
+    load_configuration.names_unknown_keys = True  # type: ignore[attr-defined]
+    ConfigLoaderImpl.load_configuration = load_configuration  # type: ignore[method-assign,assignment]
+
+
+def _skip_mode_probe() -> None:
+    """Hydra composes the whole config once only to read `hydra.mode` before composing it again
+    to run (a few tenths of a second of every start). When no config we will read sets it, the
+    answer is "none", which is what Hydra then decides from --multirun. Hydra 1.3's own method is
+    replaced for this process only when it has the expected signature."""
+    import inspect
+
+    from hydra._internal.hydra import Hydra
+
+    if list(inspect.signature(Hydra.get_mode).parameters) == ["self", "config_name", "overrides"]:
+        Hydra.get_mode = lambda self, config_name, overrides: None  # type: ignore[method-assign]
+
+
+def hydra_output_dir() -> str | None:
+    """This job's output dir when running under Hydra."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        return str(HydraConfig.get().runtime.output_dir)
+    return None
+
+
+def _is_multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+# Mistakes in a config or its inputs: reported in a line or two, without a traceback.
+USER_ERRORS = (ConfigError, CheckpointError, InstantiationException, FileNotFoundError, NonFiniteLoss)
+
+
+def _verbose(cfg: DictConfig) -> bool:
+    return bool(cfg.trainer.verbose) or os.environ.get("HYDRA_FULL_ERROR") == "1"
+
+
+def run(cfg: DictConfig) -> float | None:
+    """Run one job from a composed config; return the monitored value (for sweepers)."""
+    verbose = _verbose(cfg)
+    dev.quiet_deepspeed(verbose)
+    output_dir = hydra_output_dir() or default_output_dir()
+    if dev.rank() == 0:
+        sweep.clear_status(Path(output_dir))
+    try:
+        value = launch_job(cfg, output_dir)
+    except USER_ERRORS as exc:
+        if verbose:
+            traceback.print_exc()
+        return _fail(_explain(exc), show=dev.rank() == 0 or not isinstance(exc, ConfigError))
+    except WorkerFailed as exc:
+        return _fail(str(exc), show=not exc.printed)
+    except Interrupted as exc:
+        # A preemption signal the workers did not survive: exit 1, naming the last good checkpoint;
+        # INT, HUP, QUIT: 128 + the signal. Leave at once: the launcher's rendezvous store can
+        # still hold C++ threads that abort an ordinary interpreter exit.
+        code = 128 + exc.signum
+        if exc.signum in preemption.SIGNALS:
+            preemption.note_requested(exc.since, exc.signum)
+            code = _preempted_exit_code(checkpoint_dir(cfg, output_dir), exc.since)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    except RuntimeError as exc:  # after Interrupted and WorkerFailed, which are RuntimeErrors too
+        failure = peer_failure(exc)
+        if failure is None:
+            raise
+        if verbose:
+            traceback.print_exc()
+        return _fail(failure, show=True)
+    if preemption.saved_step() is not None:
+        return _end_preempted(Path(output_dir))
+    if dev.rank() == 0:
+        sweep.write_status(Path(output_dir), "ok")
+    return value
+
+
+def _end_preempted(output_dir: Path) -> float:
+    """A preempted run that saved: exit `EXIT_PREEMPTED` (every rank) for the job script to
+    requeue; under submitit, a USR1/USR2 goes on to submitit's own handler, which requeues the job
+    (and ends the process itself). A submitit job that is not requeued returns NaN instead, so
+    submitit records a result and the sweep's summary (which reads the status written here)
+    names it. A local sweep ends: the signal was for the whole process."""
+    main = dev.rank() == 0
+    requeue = preemption.submitit_requeue()
+    if main:
+        sweep.write_status(output_dir, "requeued" if requeue else "preempted")
+    if requeue is not None:
+        try:
+            requeue()  # submitit requeues the job and exits; rank > 0 returns
+        except Exception as exc:  # submitit would not requeue (e.g. max_num_timeout reached)
+            if main:
+                print(f"Error: not requeued: {exc}", file=sys.stderr)
+                sweep.write_status(output_dir, "preempted")
+    if slurm.under_submitit() and _is_multirun():
+        return math.nan
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(preemption.EXIT_PREEMPTED)
+
+
+def _preempted_exit_code(ckpt_dir: Path, since: float) -> int:
+    """`EXIT_PREEMPTED` when the workers wrote a checkpoint for the preemption after `since`, 0
+    when the run's final one (it finished); otherwise 1, naming the last good checkpoint."""
+    newest = complete_checkpoints(ckpt_dir)[-1:] if ckpt_dir.is_dir() else []
+    try:
+        meta = read_meta(newest[0]) if newest else {}
+    except CheckpointError:
+        meta = {}
+    if meta.get("reason") in ("preempted", "end") and float(meta.get("time", 0)) >= since:
+        return preemption.EXIT_PREEMPTED if meta["reason"] == "preempted" else 0
+    last = f"{newest[0]} (step {meta.get('step')})" if newest else "none"
+    print(
+        f"Error: preempted ({preemption.signal_name()}) before a checkpoint could be saved; "
+        f"last good checkpoint: {last}",
+        file=sys.stderr,
+    )
+    return 1
+
+
+def _fail(message: str, show: bool) -> float:
+    """Say what failed (once) and end this job: exit 1; in a sweep, the job's objective is NaN,
+    the sweep goes on, and the sweep summary names the job and exits non-zero at the end."""
+    if show:
+        print(f"Error: {message}", file=sys.stderr)
+    if _is_multirun():
+        return math.nan
+    sys.exit(1)
+
+
+def default_output_dir() -> str:
+    """Where a run outside Hydra writes: outputs/DATE/TIME, like Hydra's default."""
+    import datetime
+
+    now = datetime.datetime.now()
+    return os.path.join("outputs", now.strftime("%Y-%m-%d"), now.strftime("%H-%M-%S"))
+
+
+def launch_job(cfg: DictConfig, output_dir: str) -> float | None:
+    """Run the job here, in N local workers, or as one rank of a launcher's group."""
+    join_slurm_tasks()
+    dev.select_accelerator(str(cfg.trainer.accelerator))
+    devices = int(cfg.trainer.devices)
+    context = dict(sweep_context(), log_file=runlog.hydra_log_file())  # rank 0 copies its console there
+    if dev.launched() or devices == 1:
+        return train(cfg, output_dir, context)
+    check_devices(devices)
+    validate(cfg, world_size=devices)  # fail here, before starting workers
+    container = OmegaConf.to_container(cfg, resolve=True)  # workers have no Hydra state
+    value, report = spawn(
+        worker_main, (container, output_dir, context), devices, timeout_s=float(cfg.trainer.timeout_s)
+    )
+    preemption.adopt(report)  # rank 0's: the launcher exits as a preempted worker would
+    return value
+
+
+@record
+def worker_main(container: dict[str, Any], output_dir: str, context: dict[str, Any]) -> tuple[Any, ...]:
+    """One worker of a `trainer.devices=N` job (runs in a fresh process): its monitored value and
+    whether it stopped for preemption (`preemption.report()`), returned to the launcher, which
+    collects every worker's return value before the job ends, preempted or not."""
+    cfg = OmegaConf.create(container)
+    dev.quiet_deepspeed(_verbose(cfg))
+    try:
+        return train(cfg, output_dir, context), preemption.report()
+    except USER_ERRORS as exc:
+        if _verbose(cfg):
+            traceback.print_exc()
+        if dev.rank() == 0 or not isinstance(exc, ConfigError):
+            print(f"Error: {_explain(exc)}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except RuntimeError as exc:
+        failure = peer_failure(exc)
+        if failure is None:
+            raise
+        print(f"Error: {failure}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except KeyboardInterrupt:  # SIGINT: torch's process wrapper would exit 0 without a result
+        sys.exit(130)
+
+
+# What gloo says when the other end of a collective stopped, died or never came.
+PEER_SIGNS = (
+    "Application timeout",
+    "Timed out",
+    "timed out",
+    "Connection closed by peer",
+    "Connection reset by peer",
+)
+
+
+def peer_failure(exc: BaseException) -> str | None:
+    """One line for a collective that failed because another rank stopped, died or is stuck (a
+    stopped peer on this host is named and ended); None for any other error."""
+    import torch.distributed as dist
+
+    text = str(exc).strip()
+    if not (isinstance(exc, dist.DistError) or any(sign in text for sign in PEER_SIGNS)):
+        return None
+    first = text.splitlines()[0] if text else type(exc).__name__
+    return (
+        f"rank {dev.rank()}: a collective with the other ranks failed ({type(exc).__name__}: {first}): another "
+        f"rank stopped, died or is stuck (trainer.timeout_s bounds the wait){watchdog.end_stopped_peers()}"
+    )
+
+
+def _explain(exc: BaseException) -> str:
+    """One to three lines: what is wrong and, where we can tell, what to write instead."""
+    if isinstance(exc, InstantiationException):
+        text = str(exc).strip()
+        located = re.search(r"Error locating target '([^']+)'", text)
+        full_key = re.search(r"full_key: (\S+)", text)
+        where = f"{full_key.group(1)}._target_" if full_key else "_target_"
+        if located:
+            root = exc
+            while root.__cause__ is not None:
+                root = root.__cause__  # type: ignore[assignment]
+            reason = str(root).splitlines()[0] if root is not exc else ""
+            missing = re.search(r"No module named '[^']+'", str(exc.__cause__))
+            reason = missing.group(0) if missing else reason
+            return f"{where}={located.group(1)} cannot be imported: {reason}; check the module path and name"
+        cause = exc.__cause__
+        if isinstance(cause, (FileNotFoundError, ConfigError)):
+            return f"{cause} (in {full_key.group(1) if full_key else 'the config'})"
+        first = text.splitlines()[0] if text else type(exc).__name__
+        detail = f": {type(cause).__name__}: {cause}" if cause is not None else ""
+        return f"{first}{detail}"
+    return str(exc)
+
+
+def sweep_context() -> dict[str, Any]:
+    """In a Hydra multirun: the sweep (wandb group) and this job's overrides (run name)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not _is_multirun():
+        return {}
+    hc = HydraConfig.get()
+    return {"group": Path(str(hc.sweep.dir)).name, "name": str(hc.job.override_dirname) or f"job{hc.job.num}"}

@@ -1,0 +1,130 @@
+"""Text from your own files through Hugging Face `datasets`, tokenized and cut into blocks for
+causal language modelling. Nothing is downloaded: the files are local and the default tokenizer
+is byte-level (UTF-8 bytes are the tokens, 256 of them).
+
+    python train.py data=hf_text data.dataset.data_files=notes.txt model=hf_gpt2 loss=model
+
+With `model.path=DIR` and no `data.dataset.tokenizer`, the model's directory is the tokenizer
+(when it holds one: the run says so in one line). Rows are dicts `{"input_ids": block, "labels": block}` (Hugging Face's convention: the model
+shifts the labels itself), so `loss=model` trains on them; the position in the epoch is part of
+a checkpoint like any other data.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from framework.data.datasets.classification import Splits
+from framework.errors import ConfigError
+
+BYTE_VOCAB_SIZE = 256
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids (0..255): a tokenizer that needs no file and no download."""
+
+    vocab_size = BYTE_VOCAB_SIZE
+    pad_token_id = 0
+
+    def __call__(
+        self, texts: list[str], truncation: bool = False, max_length: int | None = None
+    ) -> dict[str, list[list[int]]]:
+        ids = [list(text.encode("utf-8")) for text in texts]
+        if truncation and max_length:
+            ids = [row[:max_length] for row in ids]
+        return {"input_ids": ids, "attention_mask": [[1] * len(row) for row in ids]}
+
+    def __len__(self) -> int:
+        return BYTE_VOCAB_SIZE
+
+
+def load_tokenizer(tokenizer: str | None) -> Any:
+    """The byte tokenizer (None / "bytes"), a local tokenizer directory (`AutoTokenizer`), or a
+    `tokenizers` JSON file."""
+    if tokenizer in (None, "bytes"):
+        return ByteTokenizer()
+    path = Path(str(tokenizer)).expanduser()
+    if path.is_dir():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    if path.is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast(tokenizer_file=str(path))
+    raise FileNotFoundError(
+        f"data.dataset.tokenizer={tokenizer}: no such directory or file (or use bytes, the default)"
+    )
+
+
+def vocabulary_size(tokenizer: Any) -> int:
+    """Token ids the tokenizer can produce (added tokens included)."""
+    return len(tokenizer)
+
+
+class TokenizedSplits(Splits):
+    """`Splits` made with a tokenizer: it travels with them, so a run checks it against the
+    model's vocabulary and keeps its files beside the checkpoints (`export --hf` copies them);
+    `labels` (classification) become the model's `id2label`; `collate_fn` batches the rows."""
+
+    tokenizer: Any = None
+    labels: list[str] | None = None
+    collate_fn: Any = None
+
+
+def with_tokenizer(
+    splits: Splits, tokenizer: Any, labels: list[str] | None = None, collate_fn: Any = None
+) -> TokenizedSplits:
+    """`splits` with what made them (see `TokenizedSplits`)."""
+    out = TokenizedSplits(*splits)
+    out.tokenizer, out.labels, out.collate_fn = tokenizer, labels, collate_fn
+    return out
+
+
+def hf_text(
+    data_files: Any,
+    builder: str = "text",
+    text_column: str = "text",
+    tokenizer: str | None = None,
+    block_size: int = 128,
+    val_fraction: float = 0.1,
+    split_seed: int = 0,
+    num_proc: int | None = None,
+) -> TokenizedSplits:
+    """Local text / JSON / CSV files (`builder`: text, json, csv) -> tokenized blocks of
+    `block_size` tokens, split into train / validation with a fixed seed."""
+    import datasets
+
+    files = [data_files] if isinstance(data_files, str) else list(data_files)
+    missing = [f for f in files if not Path(f).expanduser().is_file()]
+    if missing:
+        raise FileNotFoundError(f"data.dataset.data_files: no such file: {', '.join(map(str, missing))}")
+    datasets.disable_progress_bars()
+    raw = datasets.load_dataset(builder, data_files=[str(Path(f).expanduser()) for f in files], split="train")
+    if text_column not in raw.column_names:
+        raise ConfigError(
+            f"data.dataset.text_column={text_column}: the files have columns {raw.column_names}; name one of them"
+        )
+    tok = load_tokenizer(tokenizer)
+
+    def tokenize(rows: dict[str, list[Any]]) -> dict[str, Any]:
+        return {"input_ids": tok([str(t) for t in rows[text_column]])["input_ids"]}
+
+    def blocks(rows: dict[str, list[Any]]) -> dict[str, Any]:
+        ids = [i for row in rows["input_ids"] for i in row]
+        cut = len(ids) // block_size * block_size
+        chunks = [ids[i : i + block_size] for i in range(0, cut, block_size)]
+        return {"input_ids": chunks, "labels": [list(c) for c in chunks]}
+
+    tokenized = raw.map(tokenize, batched=True, remove_columns=raw.column_names, num_proc=num_proc)
+    grouped = tokenized.map(blocks, batched=True, batch_size=1000, num_proc=num_proc)
+    if len(grouped) < 2:
+        raise ConfigError(
+            f"data.dataset.data_files hold too little text for two blocks of {block_size} tokens; "
+            "use more text or a smaller data.dataset.block_size"
+        )
+    parts = grouped.train_test_split(test_size=val_fraction, seed=split_seed)
+    return with_tokenizer(
+        Splits(parts["train"].with_format("torch"), parts["test"].with_format("torch")), tok
+    )

@@ -1,0 +1,343 @@
+"""Per-rank data: loaders, background prefetch to the device, and the iterator a step pulls from.
+
+Training uses torchdata's `StatefulDataLoader` over a `DistributedSampler`, so a loader's
+position (mid-epoch included) is part of a checkpoint. Evaluation gives every rank the same
+number of batches (ZeRO-3 gathers parameters collectively: a rank with one batch more would
+hang the others) and knows how many samples of its shard are unpadded, so padding never
+counts in a metric.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sized
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from framework.data.outputs import batch_size_of
+from framework.errors import ConfigError
+
+
+class EvalShardSampler(Sampler[int]):
+    """Rank `rank` takes items rank, rank+N, ...; shards are padded to equal length by repeating
+    the first items, and `unpadded` says how many of this rank's items are not padding."""
+
+    def __init__(self, dataset_len: int, num_replicas: int, rank: int):
+        self.dataset_len, self.num_replicas, self.rank = dataset_len, num_replicas, rank
+        self.per_rank = math.ceil(dataset_len / num_replicas) if dataset_len else 0
+        self.unpadded = len(range(rank, dataset_len, num_replicas))
+
+    def __iter__(self) -> Iterator[int]:
+        real = list(range(self.rank, self.dataset_len, self.num_replicas))
+        pad = [i % max(self.dataset_len, 1) for i in range(self.per_rank - len(real))]
+        return iter(real + pad)
+
+    def __len__(self) -> int:
+        return self.per_rank
+
+
+def dataset_len(dataset: Any) -> int:
+    """Length of a map-style dataset, or a clear error for an unsized one."""
+    if not isinstance(dataset, Sized):
+        raise TypeError(
+            f"{type(dataset).__name__} has no len(); pass a map-style Dataset or use "
+            "Engine.dataloader_from_generator for an iterable source"
+        )
+    return len(dataset)
+
+
+def train_loader(
+    dataset: Dataset,
+    micro_batch_size: int,
+    dp_size: int,
+    dp_rank: int,
+    shuffle: bool = True,
+    seed: int = 0,
+    drop_last: bool = True,
+    collate_fn: Callable | None = None,
+    num_workers: int = 0,
+) -> StatefulDataLoader:
+    """This rank's training loader: `micro_batch_size` samples per batch, its own shard.
+
+    Batches are dropped at the end of a shard so every rank takes the same number of steps.
+    """
+    n = dataset_len(dataset)
+    if n // dp_size < micro_batch_size:
+        raise ConfigError(  # a ValueError too
+            f"the training set has {n} samples: too few for {dp_size} rank(s) x micro-batch {micro_batch_size}; "
+            "use a smaller batch size"
+        )
+    sampler: DistributedSampler = DistributedSampler(
+        dataset, num_replicas=dp_size, rank=dp_rank, shuffle=shuffle, seed=seed
+    )
+    return StatefulDataLoader(
+        dataset,
+        batch_size=micro_batch_size,
+        sampler=sampler,
+        drop_last=drop_last,
+        collate_fn=collate_fn,
+        num_workers=num_workers,
+    )
+
+
+def eval_loader(
+    dataset: Dataset,
+    micro_batch_size: int,
+    dp_size: int,
+    dp_rank: int,
+    collate_fn: Callable | None = None,
+    num_workers: int = 0,
+) -> DataLoader:
+    """This rank's evaluation loader; the first `loader.sampler.unpadded` samples are not padding."""
+    sampler = EvalShardSampler(dataset_len(dataset), dp_size, dp_rank)
+    return DataLoader(
+        dataset, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate_fn, num_workers=num_workers
+    )
+
+
+def split_micro_batches(batch: Any, parts: int) -> list[Any]:
+    """Split every tensor of a batch along dim 0 into `parts` equal micro-batches."""
+    if parts == 1:
+        return [batch]
+    if isinstance(batch, torch.Tensor):
+        if batch.shape[0] % parts:
+            raise ConfigError(f"a batch of {batch.shape[0]} does not split into {parts} accumulation steps")
+        return list(batch.chunk(parts))
+    if isinstance(batch, (list, tuple)):
+        columns = [split_micro_batches(b, parts) for b in batch]
+        return [type(batch)(col[i] for col in columns) for i in range(parts)]
+    if isinstance(batch, Mapping):
+        split = {k: split_micro_batches(v, parts) for k, v in batch.items()}
+        return [{k: v[i] for k, v in split.items()} for i in range(parts)]
+    return [batch] * parts
+
+
+_END = object()
+
+
+class _Failure:
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+class Prefetcher:
+    """Pull batches from `source` in a background thread, `depth` ahead, moved with `transfer`.
+
+    `transfer` is a function, or a `framework.data.transfer.Copier`: then the background thread only
+    starts each copy (`copy`) and the consumer waits for it (`ready`), so on CUDA copies overlap
+    compute. Yields (batch, snapshot) pairs: `snapshot()` is taken right after that batch was
+    pulled, so the consumer knows the loader position that matches what it has really consumed.
+    """
+
+    def __init__(
+        self,
+        source: Iterator[Any],
+        transfer: Callable[[Any], Any],
+        depth: int = 2,
+        snapshot: Callable[[], Any] | None = None,
+    ):
+        self._source, self._snapshot = source, snapshot
+        self._transfer = getattr(transfer, "copy", transfer)
+        self._ready = getattr(transfer, "ready", None)
+        self._queue: queue.Queue = queue.Queue()
+        # At most `depth` batches pulled and not yet handed out (the one being pulled included).
+        self._slots = threading.Semaphore(max(1, depth))
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if depth > 0:
+            self._thread = threading.Thread(target=self._fill, name="hydraspeed-prefetch", daemon=True)
+            self._thread.start()
+
+    def _pull(self) -> tuple[Any, Any]:
+        batch = next(self._source)
+        return self._transfer(batch), self._snapshot() if self._snapshot else None
+
+    def _fill(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self._slots.acquire(timeout=0.1):
+                    continue
+                try:
+                    item: Any = self._pull()
+                except StopIteration:
+                    item = _END
+                self._queue.put(item)
+                if item is _END:
+                    return
+        except BaseException as exc:  # re-raised in the consumer's thread
+            self._queue.put(_Failure(exc))
+
+    def __iter__(self) -> Prefetcher:
+        return self
+
+    def __next__(self) -> tuple[Any, Any]:
+        if self._thread is None:  # depth 0: synchronous
+            item = self._pull()
+        else:
+            item = self._queue.get()
+            if item is _END:
+                self._queue.put(_END)  # later next() calls keep raising StopIteration
+                raise StopIteration
+            if isinstance(item, _Failure):
+                raise item.exc
+            self._slots.release()
+        batch, snapshot = item
+        return (self._ready(batch) if self._ready is not None else batch), snapshot
+
+    def close(self) -> None:
+        """Stop the background thread (batches already pulled are dropped)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+
+class BatchIterator:
+    """The iterator a step consumes: counts each batch handed out and knows, one batch ahead,
+    whether any is left (`exhausted()`), so a step is never called on an empty epoch. A batch
+    looked at ahead (`peek`, `peek_many`) counts only when it is handed out.
+
+    `source` is a `Prefetcher` or any iterator of batches. `on_fetch(batch)` runs for every batch
+    handed out; `limit` caps the batches of this epoch; `snapshot` is the Prefetcher's position
+    after the last batch handed out (None for other sources).
+    """
+
+    def __init__(
+        self, source: Iterator[Any], on_fetch: Callable[[Any], None] | None = None, limit: int | None = None
+    ):
+        self._source, self._on_fetch, self._limit = source, on_fetch, limit
+        self._pairs = isinstance(source, Prefetcher)  # yields (batch, snapshot)
+        self._ahead: list[tuple[Any, Any]] = []
+        self._done = False
+        self.fetched = 0
+        self.snapshot: Any = None
+        self.waited = 0.0  # seconds spent waiting for the source (data stalls)
+
+    def __iter__(self) -> BatchIterator:
+        return self
+
+    def exhausted(self) -> bool:
+        """True when the next `next()` would raise StopIteration (pulls one batch ahead)."""
+        return not self._ahead and not self._pull_ahead()
+
+    def _pull_ahead(self) -> bool:
+        """Pull one more batch into the look-ahead; False at the end (or the limit)."""
+        if self._done or (self._limit is not None and self.fetched + len(self._ahead) >= self._limit):
+            return False
+        start = time.perf_counter()
+        try:
+            item = next(self._source)
+            self._ahead.append(item if self._pairs else (item, None))
+        except StopIteration:
+            self._done = True
+        self.waited += time.perf_counter() - start
+        return not self._done
+
+    def peek(self) -> Any:
+        """The next batch without taking it (None at the end)."""
+        return None if self.exhausted() else self._ahead[0][0]
+
+    def peek_many(self, count: int) -> list[Any]:
+        """The next `count` batches (fewer at the end) without taking them: an optimizer step's
+        micro-batches, whose items are counted before its first backward pass."""
+        while len(self._ahead) < count and self._pull_ahead():
+            pass
+        return [batch for batch, _ in self._ahead[:count]]
+
+    def __next__(self) -> Any:
+        if self.exhausted():
+            raise StopIteration
+        batch, self.snapshot = self._ahead.pop(0)
+        self.fetched += 1
+        if self._on_fetch is not None:
+            self._on_fetch(batch)
+        return batch
+
+
+class DeviceLoader:
+    """What `Engine.dataloader` returns: `epochs` epochs of this rank's batches, already on the
+    device (prefetched in the background), at most `steps_per_epoch` batches per epoch.
+
+    For evaluation shards, `last_unpadded` is how many samples of the batch just handed out are
+    not padding (the padding evens the shards so every rank runs the same number of batches).
+    `on_epoch(epoch)` runs before each epoch (the engine resets this mode's metrics there).
+    """
+
+    def __init__(
+        self,
+        loader: Any,
+        transfer: Callable[[Any], Any],
+        epochs: int = 1,
+        steps_per_epoch: int | None = None,
+        prefetch: int = 2,
+        global_batch_size: int | None = None,
+        unpadded: int | None = None,
+        on_epoch: Callable[[int], None] | None = None,
+    ):
+        self.loader, self.transfer, self.epochs = loader, transfer, epochs
+        self.steps_per_epoch, self.prefetch = steps_per_epoch, prefetch
+        self.global_batch_size = global_batch_size
+        self.unpadded = unpadded
+        self.on_epoch = on_epoch
+        self.last_batch: Any = None
+        self.last_unpadded: int | None = None
+        self.epoch = 0
+
+    def batches_per_epoch(self) -> int | None:
+        """Batches each epoch yields, when the source has a length."""
+        try:
+            n = len(self.loader)
+        except TypeError:
+            return self.steps_per_epoch
+        return min(n, self.steps_per_epoch) if self.steps_per_epoch is not None else n
+
+    def __len__(self) -> int:
+        per = self.batches_per_epoch()
+        if per is None:
+            raise TypeError("this loader's length is unknown (a generator source without steps_per_epoch)")
+        return per * self.epochs
+
+    def __iter__(self) -> Iterator[Any]:
+        for epoch in range(self.epochs):
+            self.epoch = epoch
+            if self.on_epoch is not None:
+                self.on_epoch(epoch)
+            sampler: Any = getattr(self.loader, "sampler", None)
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(epoch)
+            source = Prefetcher(iter(self.loader), self.transfer, depth=self.prefetch)
+            remaining = self.unpadded
+            try:
+                for i, (batch, _) in enumerate(source):
+                    if self.steps_per_epoch is not None and i >= self.steps_per_epoch:
+                        break
+                    if remaining is not None:
+                        self.last_unpadded = min(batch_size_of(batch), remaining)
+                        remaining -= self.last_unpadded
+                    self.last_batch = batch
+                    yield batch
+            finally:
+                source.close()
+
+
+class GeneratorDataset(torch.utils.data.IterableDataset):
+    """Samples from a Python generator (a callable returning an iterator, or a re-iterable),
+    dealt round-robin to data-parallel ranks: sample i goes to rank i % dp_size. A last,
+    incomplete round is dropped so every rank sees the same number of samples."""
+
+    def __init__(self, source: Any, dp_size: int, dp_rank: int):
+        self.source, self.dp_size, self.dp_rank = source, dp_size, dp_rank
+
+    def __iter__(self) -> Iterator[Any]:
+        items = self.source() if callable(self.source) else iter(self.source)
+        mine = None
+        for i, sample in enumerate(items):
+            if i % self.dp_size == self.dp_rank:
+                mine = sample
+            if i % self.dp_size == self.dp_size - 1:
+                yield mine

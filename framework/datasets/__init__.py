@@ -1,7 +1,0 @@
-"""Data that ships with the project or is generated: nothing is downloaded."""
-
-from framework.datasets.chars import chars
-from framework.datasets.classification import Splits, digits, synthetic
-from framework.datasets.files import csv_classification
-
-__all__ = ["Splits", "chars", "csv_classification", "digits", "synthetic"]

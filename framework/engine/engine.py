@@ -1,0 +1,337 @@
+"""`Engine`: Paddle-style auto-parallel Engine on top of one DeepSpeed runtime.
+
+    engine = Engine(model, loss, optimizer, metrics, strategy=Strategy(sharding={"stage": 3}))
+    history = engine.fit(train_ds, valid_data=valid_ds, epochs=2, batch_size=64)
+
+    # or own the loop
+    loader = engine.dataloader(train_ds, batch_size=64, epochs=2, mode="train")
+    engine.prepare(mode="train")
+    for batch in loader:
+        logs = engine.run(batch, mode="train", fetch_list=["features.2", "lr"])
+
+A facade: the runtime (`framework.backend.runtime`) owns DeepSpeed and the batch layout, the loops
+(`framework.engine.loops`) train and evaluate, `LoopState` counts, `Metrics` keeps train and eval state.
+`batch_size` is always the global batch, split over data-parallel ranks (and accumulation steps
+for training).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from framework import checkpoint
+from framework.backend import weights
+from framework.backend.ds_config import configures_optimizer
+from framework.backend.runtime import Runtime
+from framework.data import loaders as data_lib
+from framework.data.outputs import ModelLoss, is_model_loss
+from framework.engine import evaluation, fine_grained, loops
+from framework.engine.arguments import check_dataset, check_engine_arguments
+from framework.engine.fine_grained import check_mode
+from framework.engine.fit_config import FitConfig, fit_config
+from framework.engine.steps import LossFunction, resolve_step
+from framework.errors import ConfigError
+from framework.observe.callbacks import Callback, CallbackList
+from framework.observe.metrics import Metrics
+from framework.observe.state import LoopState
+from framework.plan import cost as cost_lib
+from framework.plan.strategy import Strategy
+from framework.process import context as dev
+from framework.process import watchdog
+
+
+class Engine:
+    """Train, evaluate and predict with a model under a `Strategy`, on DeepSpeed.
+
+    Args:
+        model: the `nn.Module` to train (`engine.module`). `engine.model` is what runs it: call
+            `engine.model(x)` in a custom step (DeepSpeed's engine once prepared, whose hooks
+            gather ZeRO-3 parameters; the plain module before).
+        loss: `loss(outputs, labels) -> scalar`, e.g. `nn.CrossEntropyLoss()`; it reads the logits of
+            a dict / ModelOutput (`output_key`). `"model"` (or `framework.data.outputs.ModelLoss()`): the
+            loss the model computes itself from `labels=`, Hugging Face style.
+        optimizer: a torch optimizer, a factory taking parameters (Hydra `_partial_`), or None
+            when the strategy's raw `deepspeed` config names one.
+        metrics: torchmetrics metric(s), a list or a {name: metric} dict; evaluation uses a copy.
+        strategy: a `Strategy`, a dict of its sections, or None for plain data parallel.
+        scheduler: a factory `scheduler(optimizer[, total_steps=N])` stepped once per optimizer step.
+        train_step / eval_step / predict_step: custom steps (see `framework.engine.steps`).
+        callbacks: `Callback`s (loggers are callbacks too).
+        seed: seed of the data shuffling.
+        prefetch: batches kept ready on the device ahead of the step.
+        runtime: a `Runtime` made earlier (to build the model inside its ZeRO-3 context).
+        label_key: the labels' key in dict batches (the model gets the rest as `model(**batch)`).
+        output_key: the field of a dict / ModelOutput the loss and metrics read (default: `logits`
+            when present, else the first tensor).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss: Callable[..., torch.Tensor] | None = None,
+        optimizer: Any = None,
+        metrics: Any = None,
+        strategy: Strategy | dict[str, Any] | None = None,
+        *,
+        scheduler: Callable[..., Any] | None = None,
+        train_step: Callable[..., Any] | None = None,
+        eval_step: Callable[..., Any] | None = None,
+        predict_step: Callable[..., Any] | None = None,
+        callbacks: Iterable[Callback] | None = None,
+        seed: int = 0,
+        prefetch: int = 2,
+        runtime: Runtime | None = None,
+        label_key: str = "labels",
+        output_key: str | None = None,
+    ):
+        check_engine_arguments(model, loss, optimizer, metrics, scheduler)
+        if runtime is None:
+            runtime = Runtime(strategy if isinstance(strategy, Strategy) else Strategy(**(strategy or {})))
+        self.runtime = runtime
+        self.module = model
+        self.label_key, self.output_key = label_key, output_key
+        self.loss: Any = ModelLoss() if is_model_loss(loss) else None
+        if loss is not None and self.loss is None:
+            self.loss = LossFunction(loss, output_key)
+        self.optimizer_spec, self.scheduler_spec = optimizer, scheduler
+        self.metrics = Metrics(metrics)
+        self.train_step_fn = resolve_step(train_step, model, "training_step")
+        self.eval_step_fn = resolve_step(eval_step, model, "validation_step")
+        self.predict_step_fn = resolve_step(predict_step, model, "predict_step")
+        if self.strategy.uses_pipeline and isinstance(self.loss, ModelLoss):
+            raise ConfigError(
+                "pipeline parallelism needs a loss function (the last stage computes it), not loss=model"
+            )
+        if self.strategy.uses_pipeline and (self.train_step_fn is not None or self.eval_step_fn is not None):
+            raise ConfigError(
+                "custom training/validation steps cannot run with pipeline parallelism: "
+                "the pipeline engine drives the micro-batches itself"
+            )
+        self.callbacks = CallbackList(callbacks or [])
+        self.seed, self.prefetch = seed, prefetch
+        self.state = LoopState()
+        self.total_steps: int | None = None  # training's optimizer-step budget (fit / a train dataloader)
+        self._scheduled_for: int | None = None  # the budget the lr schedule was built with
+        self.mode: str | None = None
+        self._prepared: set[str] = set()
+        self._padding = fine_grained.PaddingTracker()
+
+    # ------------------------------------------------------------------ what the runtime holds
+    @property
+    def strategy(self) -> Strategy:
+        """The strategy as it runs on this machine."""
+        return self.runtime.strategy
+
+    @property
+    def model(self) -> Any:
+        """Call it to run the forward pass (see the class doc)."""
+        return self.runtime.forward
+
+    @property
+    def deepspeed_config(self) -> dict[str, Any] | None:
+        """The config dict DeepSpeed received."""
+        return self.runtime.config
+
+    world_size = property(lambda self: self.runtime.world_size, doc="Processes in the job.")
+    dp_size = property(
+        lambda self: self.runtime.dp_size, doc="Data-parallel degree: processes / pipeline stages."
+    )
+    dp_rank = property(
+        lambda self: self.runtime.dp_rank, doc="This rank's index among the data-parallel ranks."
+    )
+    lr = property(lambda self: self.runtime.lr, doc="Current learning rate of the first parameter group.")
+    grad_norm = property(lambda self: self.runtime.grad_norm, doc="Gradient norm of the last step.")
+    loss_scale = property(lambda self: self.runtime.loss_scale, doc="Current fp16 loss scale (1.0 without).")
+
+    # ------------------------------------------------------------------ setup
+    def prepare(
+        self, mode: str | None = None, batch_size: int | None = None, inputs_spec: Any = None,
+        labels_spec: Any = None,
+    ) -> None:  # fmt: skip
+        """Build DeepSpeed for `mode` (once; again is a no-op). `mode` defaults to the engine's
+        current mode ("train" before any). `batch_size` is global; for training it fixes the
+        batch layout. `inputs_spec` / `labels_spec` are accepted for Paddle compatibility;
+        shapes are taken from the data at run time."""
+        mode = self._mode(mode)
+        has_optimizer = self.optimizer_spec is not None or configures_optimizer(self.strategy)
+        if mode == "train" and (self.loss is None and self.train_step_fn is None or not has_optimizer):
+            raise ConfigError("set optimizer and loss before training (Engine(model, loss, optimizer, ...))")
+        if mode == "eval" and self.loss is None and self.eval_step_fn is None:
+            raise ConfigError("set loss before evaluation (Engine(model, loss, ...))")
+        self.mode = mode
+        self.runtime.start()
+        if mode == "train" and batch_size is not None:
+            self.runtime.fix_layout(batch_size)
+        if not self.runtime.ready:
+            self.runtime.initialize(self.module, self.optimizer_spec if has_optimizer else None, self.loss)
+            self.metrics.to(dev.device())
+            if isinstance(getattr(self.loss, "fn", None), nn.Module):
+                self.loss.fn.to(dev.device())
+        if mode == "train" and self._scheduled_for is None:
+            self.schedule(self.total_steps)
+        self._prepared.add(mode)
+
+    def _mode(self, mode: str | None) -> str:
+        """`mode`, else the engine's current one ("train" before any), as Paddle's calls default."""
+        return check_mode(mode or self.mode or "train")
+
+    def schedule(self, total_steps: int | None) -> None:
+        """Give the learning-rate schedule training's optimizer-step budget: `fit` and a training
+        `dataloader` call it with their plan's; a schedule built earlier (a `load` before `fit`)
+        is rebuilt and continues at its step. Nothing happens without a scheduler."""
+        self.total_steps = total_steps if total_steps is not None else self.total_steps
+        if self.scheduler_spec is None or self.runtime.optimizer is None:
+            return
+        if self._scheduled_for != (self.total_steps or 1):
+            self._scheduled_for = self.total_steps or 1
+            self.runtime.schedule(self.scheduler_spec, self._scheduled_for)
+
+    def transfer(self, batch: Any) -> Any:
+        """Move a batch to this rank's device (floating tensors in the compute dtype)."""
+        return self.runtime.transfer(batch)
+
+    # ------------------------------------------------------------------ optimisation, for custom steps
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward pass for steps that drive optimisation themselves: any number of `backward`
+        calls before one `step` accumulate correctly under every ZeRO stage."""
+        self.runtime.backward(loss)
+
+    def step(self) -> None:
+        """Optimizer step after one or more `backward` calls."""
+        self.runtime.step()
+
+    def backward_and_step(self, loss: torch.Tensor) -> None:
+        """What the framework does with a loss a step returns: backward, then DeepSpeed's step
+        (which applies the update at accumulation boundaries)."""
+        self.runtime.backward_and_step(loss)
+
+    def reset_metrics(self) -> None:
+        """Clear the accumulated metric state (training and evaluation)."""
+        self.metrics.reset()
+
+    # ------------------------------------------------------------------ coarse-grained API
+    def fit(
+        self, train_data: Any, valid_data: Any = None, *, config: FitConfig | None = None,
+        callbacks: Iterable[Callback] | None = None, **options: Any,
+    ) -> dict[str, list[Any]]:  # fmt: skip
+        """Train for `epochs` epochs (or until `max_steps` optimizer steps) and return the history:
+        per-epoch lists of loss, lr, each metric and, when validating, val_loss and val_<metric>
+        (with `valid_at_start`, also start_val_loss, ... measured before the first step).
+
+        The options are keyword arguments named as `framework.engine.fit_config.FitConfig`'s fields, which
+        hold their defaults (`fit(ds, epochs=3, batch_size=64)`), or a `config=FitConfig(...)`
+        they override; `callbacks` join this call only."""
+        cfg = fit_config(config, options)
+        check_dataset(train_data, "train_data")
+        check_dataset(valid_data, "valid_data", optional=True)
+        with watchdog.watching(cfg.timeout_s, dev.rank()):
+            return loops.fit(self, train_data, valid_data, cfg, callbacks or ())
+
+    def evaluate(
+        self, valid_data: Any, batch_size: int = 1, steps: int | None = None, collate_fn: Callable | None = None
+    ) -> dict[str, float]:  # fmt: skip
+        """Loss and metrics over `valid_data` (every sample counted once, across all ranks)."""
+        self.prepare("eval")
+        return evaluation.evaluate(self, valid_data, batch_size, steps, collate_fn)
+
+    def predict(
+        self, test_data: Any, batch_size: int = 1, steps: int | None = None, collate_fn: Callable | None = None
+    ) -> list[Any]:  # fmt: skip
+        """Model outputs for `test_data`, in dataset order, one CPU tensor per global batch."""
+        self.prepare("predict")
+        return evaluation.predict(self, test_data, batch_size, steps, collate_fn)
+
+    # ------------------------------------------------------------------ fine-grained API
+    def dataloader(
+        self, dataset: Any, batch_size: int = 1, shuffle: bool = False, drop_last: bool = False,
+        collate_fn: Callable | None = None, num_workers: int = 0, epochs: int = 1,
+        steps_per_epoch: int | None = None, mode: str | None = None,
+    ) -> data_lib.DeviceLoader:  # fmt: skip
+        """This rank's share of `dataset` in global batches of `batch_size`, on the device, for
+        `epochs` epochs; prepares `mode` (default: the engine's current mode, "train" before any)
+        if it is not prepared yet. Each epoch starts this mode's metrics afresh.
+
+        Train batches hold batch_size / data-parallel ranks samples (`run` splits them into the
+        accumulation steps); every train batch is full, whatever `drop_last` says (DeepSpeed
+        steps a fixed micro-batch). Eval/predict shards cover each sample once, also the last
+        incomplete batch (`run` ignores the padding that evens them out)."""
+        mode = self._mode(mode)
+        loader = fine_grained.dataloader(
+            self, dataset, batch_size, mode, shuffle, collate_fn, num_workers, epochs, steps_per_epoch
+        )
+        return self._padding.track(loader) if mode != "train" else loader
+
+    def dataloader_from_generator(
+        self, generator: Any, batch_size: int = 1, epochs: int = 1, steps_per_epoch: int | None = None,
+        collate_fn: Callable | None = None, mode: str | None = None,
+    ) -> data_lib.DeviceLoader:  # fmt: skip
+        """Legacy path for a Python generator of samples (a callable returning an iterator, or a
+        re-iterable): samples are dealt round-robin to ranks and collated into global batches."""
+        return fine_grained.generator_loader(
+            self, generator, batch_size, self._mode(mode), epochs, steps_per_epoch, collate_fn
+        )
+
+    def run(
+        self, data: Any = None, feed: dict[str, Any] | None = None, fetch_list: list[str] | None = None,
+        mode: str | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """Run exactly one step of `mode` on one batch and return its logs.
+
+        train: one optimizer step (the batch is split into the accumulation steps) ->
+        {"loss", <training metrics so far>, "fetches"}; eval: {"loss", <evaluation metrics so
+        far>, "fetches"}; predict: {"outputs", "fetches"}. `feed` is an alternative to `data`:
+        {"inputs": ..., "labels": ...}. `fetch_list` names sub-modules whose outputs to return,
+        plus "lr", "grad_norm" and "loss_scale". Metrics accumulate over an epoch of an engine's
+        loader, or until `reset_metrics()`."""
+        return fine_grained.run(
+            self, data, feed, fetch_list, mode or self.mode, self._prepared, self._padding
+        )
+
+    def close(self) -> None:
+        """End the distributed setup this process made (its process group); a script that does
+        not call it gets the same at exit. Also `with Engine(...) as engine:`."""
+        dev.destroy_process_group()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        dev.destroy_process_group(sync=exc[0] is None)
+
+    # ------------------------------------------------------------------ weights and checkpoints
+    def save(self, path: str, training: bool = True) -> str:
+        """training=True: a full checkpoint (weights, optimizer, loop state) under the checkpoints
+        dir `path`, atomic, resumable with `load` or `fit(resume=...)`; training=False: the
+        consolidated fp32 weights in one file for inference (`.safetensors` or a torch state
+        dict), written by rank 0. Collective: call it on every rank. Returns what was written."""
+        if not self.runtime.ready:
+            raise ConfigError("nothing to save yet: prepare(mode=...) or fit() first")
+        if training:
+            return str(checkpoint.save(checkpoint.Stateful(self.runtime, self.state, self.metrics), path))
+        return str(weights.save_consolidated(self.runtime, path))
+
+    def load(self, path: str) -> None:
+        """Load what `save` wrote: a checkpoint (dir) restores weights, optimizer and loop state;
+        a weights file restores the weights."""
+        found = checkpoint.newest(path) if Path(path).is_dir() else None
+        if not self.runtime.ready:
+            if found is not None:  # ZeRO partitions of another data-parallel size: DeepSpeed must know
+                self.runtime.load_universal = checkpoint.needs_universal(found, self.runtime.mesh)
+            self.prepare("train" if self.optimizer_spec is not None and self.loss is not None else "predict")
+        if found is not None:
+            checkpoint.load(checkpoint.Stateful(self.runtime, self.state, self.metrics), found)
+            self.state.info.resumed_from = str(found)
+        else:
+            self.runtime.load_full_state_dict(weights.load_weights(path))
+
+    def cost(self, mode: str = "train", world_size: int | None = None) -> dict[str, Any]:
+        """Estimated per-rank bytes of parameters, gradients and optimizer states under this
+        strategy (see `framework.plan.cost`), before anything runs; DeepSpeed's own estimate beside it."""
+        check_mode(mode)
+        optimizer = self.optimizer_spec if mode == "train" else None
+        return cost_lib.estimate(self.module, self.strategy, optimizer, world_size or self.world_size, mode)
