@@ -19,7 +19,7 @@ from framework.cli import construct
 from framework.data.datasets import chars
 from framework.process import context as device
 
-from .conftest import ROOT, fails_cleanly, run_cmd, subprocess_env
+from ..conftest import ROOT, fails_cleanly, run_cmd, subprocess_env
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(300)
@@ -181,7 +181,7 @@ def test_zero3_starts_from_the_same_weights_as_zero0(name):
     node = (
         OmegaConf.load(CONF / "model" / f"{name}.yaml")
         if name.startswith("hf_")
-        else OmegaConf.create({"_target_": f"tests.test_ecosystem.{name}"})
+        else OmegaConf.create({"_target_": f"tests.integrations.test_ecosystem.{name}"})
     )
     zero0, zero3 = initial_weights(node, 0), initial_weights(node, 3)
     assert zero0.keys() == zero3.keys()
@@ -205,7 +205,7 @@ class DataLoopInit(torch.nn.Module):
 def test_a_model_initialised_by_hand_is_never_silently_mis_initialised_when_built_partitioned(name):
     # Wrapped: a transformers model inside a user's module, which transformers' own ZeRO-3 path
     # does not see; its initialisation writes through init functions kept from import time.
-    node = OmegaConf.create({"_target_": f"tests.test_ecosystem.{name}"})
+    node = OmegaConf.create({"_target_": f"tests.integrations.test_ecosystem.{name}"})
     with pytest.raises(
         ConfigError, match=r"initialises its weights after building its sub-modules .*init=whole"
     ):

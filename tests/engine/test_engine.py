@@ -143,7 +143,7 @@ print(applied, (process.memory_info().rss - before) / 2**20)
     not sys.platform.startswith("linux") or torch.cuda.is_available(), reason="glibc, CPU runs"
 )
 def test_freed_large_buffers_go_back_to_the_os_on_cpu():
-    from .conftest import run_cmd, subprocess_env
+    from ..conftest import run_cmd, subprocess_env
 
     env = {k: v for k, v in subprocess_env().items() if not k.startswith("MALLOC_")}
     results = {}

@@ -15,7 +15,7 @@ from framework.engine import loops
 from framework.models import MLP
 from framework.process import context as device
 
-from .conftest import FAST, ROOT, fails_cleanly, final_metrics, run_cmd, run_train
+from ..conftest import FAST, ROOT, fails_cleanly, final_metrics, run_cmd, run_train
 
 
 @pytest.fixture(autouse=True)

@@ -23,7 +23,7 @@ from framework.export import fp32_state_dict, load_weights, main, save_weights
 from framework.models import LMLoss
 from framework.plan.run_plan import Mesh
 
-from .conftest import CONF, final_metrics, run_train
+from ..conftest import CONF, final_metrics, run_train
 from .test_checkpoint import SLOW, kill_after, records, start
 
 pytestmark = pytest.mark.timeout(600)

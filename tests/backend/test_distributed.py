@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from .conftest import FAST, ROOT, final_metrics, run_cmd, run_train, torchrun
+from ..conftest import FAST, ROOT, final_metrics, run_cmd, run_train, torchrun
 
 pytestmark = pytest.mark.timeout(300)
 

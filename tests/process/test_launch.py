@@ -15,7 +15,7 @@ from framework import ConfigError
 from framework.cli.main import launch_job
 from framework.process import context as device
 
-from .conftest import FAST, ROOT, final_metrics, popen, run_cmd, run_train
+from ..conftest import FAST, ROOT, final_metrics, popen, run_cmd, run_train
 
 pytestmark = pytest.mark.timeout(400)
 

@@ -238,7 +238,7 @@ def test_a_timeout_too_short_for_a_start_is_refused(compose):
 
 def test_cli_one_liners(tmp_path):
     """init_from a pickle with a payload; a 10,000-character hydra.run.dir; a read-only checkpoint dir."""
-    from .conftest import FAST, ROOT, fails_cleanly, run_cmd, run_train
+    from ..conftest import FAST, ROOT, fails_cleanly, run_cmd, run_train
 
     marker = tmp_path / "marker"
     torch.save({"w": torch.zeros(2), "x": Payload(marker)}, tmp_path / "payload.pt")
@@ -271,7 +271,7 @@ def test_a_stopped_peer_ends_the_job_within_the_timeout_naming_it(tmp_path, stag
     for a stopped process to handle its SIGTERM)."""
     import time
 
-    from .conftest import FAST, run_train
+    from ..conftest import FAST, run_train
 
     marker = tmp_path / "stopped_at"
     stop = f"+callbacks.stop={{_target_:tests.helpers.StopRank,rank:1,step:3,marker:{marker}}}"
@@ -289,7 +289,7 @@ def test_a_stopped_peer_ends_the_job_within_the_timeout_naming_it(tmp_path, stag
 def test_long_work_is_bounded_by_a_multiple_of_the_timeout():
     """A save whose peers never come (rank 0 waits in the slow group's 12-hour barrier) ends at
     LONG_WORK x timeout_s with one line saying what it was doing."""
-    from .conftest import run_cmd
+    from ..conftest import run_cmd
 
     script = (
         "import time\n"
@@ -309,7 +309,7 @@ def test_long_work_is_bounded_by_a_multiple_of_the_timeout():
 def test_a_stopped_conversion_is_ended_with_one_line(tmp_path):
     """DeepSpeed's ds_to_universal stopped (SIGSTOP) during a conversion for another world size:
     killed before the watchdog's limit, a CheckpointError says so."""
-    from .conftest import run_cmd
+    from ..conftest import run_cmd
 
     ckpts = trained(tmp_path / "ckpts", stage=2)
     script = f"""

@@ -15,7 +15,7 @@ from framework.data.datasets import Splits
 from framework.errors import ConfigError
 from framework.plan.strategy import Strategy
 
-from .conftest import CONF
+from ..conftest import CONF
 
 
 def options(group: str) -> list[str]:
@@ -96,7 +96,7 @@ def test_every_strategy_option_builds_a_strategy(compose, name):
 @pytest.mark.parametrize("name", options("model"))
 def test_every_model_option_instantiates_and_runs(compose, name):
     if name in ("hf_causal_lm", "hf_sequence_classification"):  # a directory of the user's: see
-        return  # tests/test_ecosystem.py and tests/test_hf.py
+        return  # tests/integrations/test_ecosystem.py and tests/integrations/test_hf.py
     model = instantiate(compose([f"model={name}"]).model)
     if name == "gpt":
         assert model(torch.zeros(2, 16, dtype=torch.long)).shape == (2, 16, 128)

@@ -10,7 +10,7 @@ import pytest
 
 from framework.plot import plot
 
-from .conftest import FAST, ROOT, final_metrics, run_cmd, run_train, subprocess_env
+from ..conftest import FAST, ROOT, final_metrics, run_cmd, run_train, subprocess_env
 
 ERRORS = {
     "unknown option": (
@@ -187,7 +187,7 @@ def _offline_runs(run_dir):
 
 
 def test_wandb_offline_run_holds_config_and_metrics(tmp_path):
-    from .helpers import read_wandb_run
+    from ..helpers import read_wandb_run
 
     env = subprocess_env()
     env.pop("WANDB_MODE")  # no API key here: the logger must choose offline by itself

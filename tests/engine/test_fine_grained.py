@@ -18,7 +18,7 @@ from framework.models import MLP
 from framework.plan.cost import live_tensor_bytes
 from framework.process import context as device
 
-from .conftest import ROOT, run_cmd, torchrun
+from ..conftest import ROOT, run_cmd, torchrun
 
 
 @pytest.fixture(autouse=True)

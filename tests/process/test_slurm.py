@@ -1,5 +1,5 @@
 """Slurm: joining from Slurm's own environment (unit tests, no Slurm needed), the sweep summary's
-statuses, and a real Slurm (two `slurmd` on this machine as two nodes; see tests/slurm_cluster.py)."""
+statuses, and a real Slurm (two `slurmd` on this machine as two nodes; see tests/process/slurm_cluster.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from framework import checkpoint
 from framework.cli import sweep
 from framework.process import slurm
 
-from .conftest import FAST, ROOT, final_metrics, popen, run_cmd, subprocess_env
+from ..conftest import FAST, ROOT, final_metrics, popen, run_cmd, subprocess_env
 from .slurm_cluster import SlurmCluster, ensure_installed
 
 pytestmark = pytest.mark.timeout(600)

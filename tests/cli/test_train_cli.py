@@ -8,10 +8,10 @@ import sys
 import pytest
 import yaml
 
-from .conftest import CONF, FAST, ROOT, fails_cleanly, final_metrics, run_cmd, run_train
+from ..conftest import CONF, FAST, ROOT, fails_cleanly, final_metrics, run_cmd, run_train
 
 # Every strategy that runs on one process: the ZeRO stages. The pipeline and the tensor / sequence /
-# expert parallel presets need 2 processes and their models (tests/test_steps.py, test_parallel.py,
+# expert parallel presets need 2 processes and their models (tests/engine/test_steps.py, test_parallel.py,
 # test_tensor_parallel_checkpoints.py, test_sequence_parallel.py, test_expert_parallel.py).
 STRATEGIES = sorted(p.stem for p in (CONF / "strategy").glob("zero*.yaml"))
 

@@ -18,7 +18,7 @@ import torch
 from framework import Engine, Strategy
 from framework.process import context as device
 
-from .conftest import ROOT, run_cmd, run_train
+from ..conftest import ROOT, run_cmd, run_train
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(300)

@@ -22,7 +22,7 @@ from framework.export import fp32_state_dict
 from framework.models import MLP
 from framework.process import context as device
 
-from .conftest import FAST, fails_cleanly, run_cmd, run_train, subprocess_env, torchrun
+from ..conftest import FAST, fails_cleanly, run_cmd, run_train, subprocess_env, torchrun
 
 DATA = synthetic(num_samples=512)
 

@@ -26,7 +26,7 @@ from framework.backend.parallel import check_model
 from framework.plan.run_plan import Mesh
 from framework.plan.strategy import Strategy
 
-from .conftest import ROOT, run_cmd, run_layout_script, subprocess_env, torchrun
+from ..conftest import ROOT, run_cmd, run_layout_script, subprocess_env, torchrun
 
 EP2_SECTION = {"expert_parallel": {"degree": 2}}
 EP2 = Strategy(**EP2_SECTION)

@@ -19,7 +19,7 @@ from framework.models import GPT, LMLoss
 from framework.observe.metrics import Accuracy, MetricSet
 from framework.plan.run_plan import Mesh
 
-from .conftest import ROOT, final_metrics, run_layout_script, run_train
+from ..conftest import ROOT, final_metrics, run_layout_script, run_train
 
 IDS = torch.arange(16).reshape(2, 8)
 MASK = torch.tensor([[1] * 8, [1] * 3 + [0] * 5])  # the second sequence is padded on the right

@@ -22,7 +22,7 @@ from framework.export import fp32_state_dict, load_weights
 from framework.models import MLP
 from framework.process import context as device
 
-from .conftest import FAST, ROOT, final_metrics, popen, run_cmd, run_train
+from ..conftest import FAST, ROOT, final_metrics, popen, run_cmd, run_train
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -27,7 +27,7 @@ from framework.export import fp32_state_dict
 from framework.models import MLP
 from framework.process import context as device
 
-from .conftest import FAST, ROOT, fails_cleanly, final_metrics, popen, run_cmd, run_train, subprocess_env
+from ..conftest import FAST, ROOT, fails_cleanly, final_metrics, popen, run_cmd, run_train, subprocess_env
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -398,7 +398,7 @@ def test_the_python_api_under_torchrun_exits_zero_without_explicit_teardown(tmp_
         "                strategy=Strategy(sharding={'stage': 3}))\n"
         "print('loss', engine.fit(data.train, epochs=1, batch_size=32)['loss'][-1])\n"
     )
-    from .conftest import torchrun
+    from ..conftest import torchrun
 
     run = run_cmd([*torchrun(2), str(script)], timeout=180)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -29,7 +29,7 @@ from framework.plan.run_plan import Mesh, step_budget
 from framework.plan.run_plan import batch_layout as layout_of
 from framework.process import context as device
 
-from .conftest import FAST, run_layout_script, run_train
+from ..conftest import FAST, run_layout_script, run_train
 
 DATA = synthetic(num_samples=180)
 EPOCHS, BATCH = 3, 16  # 144 training samples: 9 optimizer steps an epoch, 27 in all

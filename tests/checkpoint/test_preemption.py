@@ -18,7 +18,7 @@ import pytest
 from framework import checkpoint
 from framework.checkpoint.preemption import EXIT_PREEMPTED
 
-from .conftest import FAST, ROOT, popen
+from ..conftest import FAST, ROOT, popen
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -16,7 +16,7 @@ from framework.models import GPT, MLP, LMLoss
 from framework.plan.run_plan import Mesh, batch_layout, mesh_of
 from framework.plan.strategy import parse_tp_style
 
-from .conftest import run_layout_script
+from ..conftest import run_layout_script
 
 
 def tiny_llama(heads: int = 4, kv_heads: int = 2):

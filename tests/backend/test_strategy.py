@@ -12,7 +12,7 @@ from framework.errors import ConfigError
 from framework.plan.run_plan import batch_layout
 from framework.plan.strategy import Amp, Sharding, Strategy
 
-from .conftest import CONF
+from ..conftest import CONF
 
 
 def config_for(strategy, global_batch_size, world_size, num_params=0, largest_param=0):
