@@ -34,6 +34,7 @@ from framework.backend.weights import load_weights, save_weights
 from framework.checkpoint import safety, store
 from framework.checkpoint.manager import HF_CONFIG, HF_PREFIX
 from framework.errors import CheckpointError, ConfigError
+from framework.integrations import hf
 from framework.integrations.hf import TOKENIZER_DIR
 
 
@@ -139,16 +140,10 @@ def save_hf_directory(ckpt: str | Path, out: str | Path, tokenizer: str | Path |
         raise ConfigError(
             f"{path} holds no Hugging Face config ({HF_CONFIG}/): --hf exports transformers models only"
         )
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(str(path / HF_CONFIG), local_files_only=True)
-    architecture = (config.architectures or [None])[0]
-    cls = getattr(transformers, str(architecture), None)
-    if cls is None:
-        raise ConfigError(f"{path}: transformers has no model class {architecture!r} (from its config.json)")
     state = _hf_weights(path, fp32_state_dict(path))
     with torch.random.fork_rng(devices=[]):
-        model = cls(config)
+        model = hf.model_from_config_dir(path / HF_CONFIG)
+    architecture = type(model).__name__
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
     if unexpected or [k for k in missing if k not in tied]:

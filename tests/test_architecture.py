@@ -1,5 +1,7 @@
-"""The shape of the code: no import circles among framework modules, small modules and functions,
-DeepSpeed's engine and JSON keys each behind one module."""
+"""The shape of the code: packages in one order, each importing only those below it; DeepSpeed,
+Hydra/OmegaConf and transformers each imported by one package; no import circles; small modules
+and functions; DeepSpeed's engine and JSON keys each behind one module; no process state in
+module globals."""
 
 from __future__ import annotations
 
@@ -38,6 +40,103 @@ def imports_of(path: Path) -> set[str]:
             for alias in node.names:
                 found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base)
     return {name for name in found if name in MODULES and name != module_name(path)}
+
+
+# The packages of `framework/`, lowest first: each may import itself and those before it, never
+# one after it (each package's __init__ docstring says the same in words).
+ORDER = [
+    "errors",
+    "process",
+    "integrations",
+    "plan",
+    "data",
+    "backend",
+    "observe",
+    "checkpoint",
+    "engine",
+    "cli",
+]
+# On top of the order: the model catalog and the two commands (`python -m framework.export / .plot`).
+TOP = {"models", "export", "plot"}
+# Third-party packages that one framework package alone may import.
+OWNERS = {
+    "deepspeed": "backend",
+    "hydra": "cli",
+    "omegaconf": "cli",
+    "transformers": "integrations",
+    "wandb": "observe",
+}
+
+
+def package_of(module: str) -> str:
+    """`framework.backend.runtime` -> `backend`; `framework` (the public API) -> ``."""
+    return module.split(".")[1] if "." in module else ""
+
+
+def external_imports(path: Path) -> set[str]:
+    """Top-level names of the non-framework modules `path` imports, anywhere in the file."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+    return found - {"framework"}
+
+
+def test_framework_has_few_top_level_entries():
+    entries = {p.name for p in PACKAGE.iterdir() if p.name != "__pycache__"}
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    assert packages == set(ORDER[1:]) | {"models"}, packages
+    assert len(entries - {"__init__.py"}) <= 13, sorted(entries)
+
+
+def test_every_package_states_its_rule():
+    for name in [*ORDER[1:], "models"]:
+        doc = ast.get_docstring(ast.parse((PACKAGE / name / "__init__.py").read_text())) or ""
+        assert "Rule:" in doc or name == "models", (
+            f"framework/{name}/__init__.py: no 'Rule:' in its docstring"
+        )
+
+
+def test_packages_import_only_those_below_them():
+    rank = {name: i for i, name in enumerate(ORDER)}
+    wrong = []
+    for name, path in MODULES.items():
+        here = package_of(name)
+        if here in TOP or here == "":
+            continue
+        for dep in imports_of(path):
+            there = package_of(dep)
+            if there in TOP or rank.get(there, -1) > rank[here]:
+                wrong.append(f"{name} imports {dep}")
+    assert not wrong, "imports up the order: " + "; ".join(sorted(wrong))
+
+
+@pytest.mark.parametrize("library", sorted(OWNERS))
+def test_one_package_imports_each_library(library):
+    owner = OWNERS[library]
+    users = {name for name, path in MODULES.items() if library in external_imports(path)}
+    assert {package_of(u) for u in users} <= {owner}, sorted(u for u in users if package_of(u) != owner)
+
+
+def test_no_global_statement_and_no_environment_change_at_import():
+    """Process state lives in objects (`framework.process.context.ProcessContext` and the like),
+    never in module globals rebound by `global`; importing the framework sets no variable."""
+    rebinding = [
+        f"{name}:{node.lineno}"
+        for name, path in MODULES.items()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.Global, ast.Nonlocal)) and isinstance(node, ast.Global)
+    ]
+    assert not rebinding, rebinding
+    import subprocess
+    import sys
+
+    code = "import os; before = dict(os.environ); import framework, framework.cli; import sys; sys.exit(dict(os.environ) != before)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0, (
+        "importing framework changed os.environ"
+    )
 
 
 def test_no_import_circle():

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from framework.errors import ConfigError
+from framework.integrations import hf
 from framework.plan.strategy import Strategy
 from framework.process import context as dev
 
@@ -43,14 +44,12 @@ def check_transformers(version: str | None = None) -> None:
     from packaging.version import Version
 
     if version is None:
-        try:
-            import transformers
-        except ImportError:
+        version = hf.transformers_version()
+        if version is None:
             raise ConfigError(
                 "strategy.expert_parallel needs transformers (DeepSpeed's AutoEP splits Hugging Face MoE "
                 f"models); install it: {INSTALL}"
-            ) from None
-        version = transformers.__version__
+            )
     if not Version(TRANSFORMERS_MIN) <= Version(version) <= Version(TRANSFORMERS_MAX):
         raise ConfigError(
             f"strategy.expert_parallel: DeepSpeed's AutoEP runs with transformers {TRANSFORMERS_MIN} to "

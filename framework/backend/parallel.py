@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from framework.backend import expert_parallel, sequence_parallel
-from framework.backend.weights import is_hf_model
 from framework.errors import ConfigError
+from framework.integrations.hf import is_hf_model
 from framework.plan.run_plan import Mesh
 from framework.plan.strategy import Strategy, parse_tp_style, plan_regex
 from framework.process import context as dev

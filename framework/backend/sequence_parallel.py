@@ -31,8 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from framework.data.outputs import is_model_loss, predicts_next_token
+from framework.data.outputs import is_model_loss
 from framework.errors import ConfigError
+from framework.integrations import hf
+from framework.integrations.hf import predicts_next_token
 from framework.plan.run_plan import Mesh
 
 IGNORE_INDEX = -100
@@ -67,12 +69,8 @@ def prepare(module: nn.Module, mesh: Mesh) -> Any:
     (the `mpu` that DeepSpeed's initialize takes). Collective the first time (it makes the groups)."""
     check_model(module, mesh.sp_size)
     core = _attention_name(module).removeprefix(PREFIX)
-    from transformers import AttentionInterface, AttentionMaskInterface
-
-    name, registry = PREFIX + core, AttentionInterface()  # a fresh instance: the library-wide functions
-    if name not in registry:
-        AttentionInterface.register(name, _ulysses_attention(registry[core]))
-        AttentionMaskInterface.register(name, AttentionMaskInterface()[core])  # masks as the core's
+    name = PREFIX + core
+    hf.register_attention(name, core, _ulysses_attention)  # masks as the core's
     groups = _groups(mesh.sp_size)
     module.config._attn_implementation = name  # type: ignore[union-attr]
     return groups

@@ -20,6 +20,7 @@ from torch import nn
 from framework.backend import expert_parallel
 from framework.backend import pipeline as pipeline_lib
 from framework.errors import CheckpointError
+from framework.integrations.hf import is_hf_model
 from framework.process import context as dev
 from framework.process import watchdog
 
@@ -191,11 +192,6 @@ def _copy_checked(target: torch.Tensor, value: torch.Tensor, key: str) -> None:
             f"size mismatch for {key}: the weights have shape {tuple(value.shape)}, the model {tuple(target.shape)}"
         )
     target.copy_(value)
-
-
-def is_hf_model(module: Any) -> bool:
-    """A Hugging Face model: it has a config and can write a `save_pretrained` directory."""
-    return hasattr(getattr(module, "config", None), "save_pretrained") and hasattr(module, "save_pretrained")
 
 
 def save_weights(state: dict[str, torch.Tensor], out: str | Path) -> Path:

@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from framework.backend.weights import is_hf_model, whole_shape
+from framework.backend.weights import whole_shape
 from framework.checkpoint import preemption, safety, store
 from framework.errors import CheckpointError, ConfigError
+from framework.integrations.hf import hf_model_in
 from framework.observe.callbacks import Callback
 from framework.observe.metrics import Metrics
 from framework.observe.state import LoopState
@@ -129,20 +130,10 @@ HF_CONFIG = "hf_config"  # a Hugging Face model's config.json, for `framework.ex
 HF_PREFIX = "weights_prefix"  # in HF_CONFIG: where the HF model sits in a wrapper's state dict ("lm.")
 
 
-def _hf_model_in(module: Any) -> tuple[str, Any] | None:
-    """(prefix, model): the Hugging Face model `module` is, or the one sub-module that is (a wrapper
-    around it); None when there is none, or several."""
-    if is_hf_model(module):
-        return "", module
-    found = [(name, m) for name, m in module.named_modules() if name and is_hf_model(m)]
-    outer = [(name, m) for name, m in found if not any(name.startswith(other + ".") for other, _ in found)]
-    return (outer[0][0] + ".", outer[0][1]) if len(outer) == 1 else None
-
-
 def save_model_config(module: Any, path: Path) -> None:
     """A Hugging Face model's config (and generation config) next to its weights, so an export
     can write a `save_pretrained` directory; for a wrapper, also where the model's weights are."""
-    found = _hf_model_in(module)
+    found = hf_model_in(module)
     if found is None:
         return
     prefix, model = found

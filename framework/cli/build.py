@@ -30,6 +30,7 @@ from framework.backend.runtime import Runtime
 from framework.checkpoint import preemption
 from framework.cli import construct
 from framework.cli.config import RENAMED, check_schema
+from framework.data.datasets import as_splits
 from framework.engine.engine import Engine
 from framework.engine.fit_config import FitConfig
 from framework.errors import CheckpointError, ConfigError
@@ -379,7 +380,7 @@ def train(cfg: DictConfig, output_dir: str | None, context: dict[str, Any] | Non
         if dev.is_main_process():
             (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         seed_everything(t.seed)
-        splits = hf.as_splits(instantiate(cfg.data.dataset))
+        splits = as_splits(instantiate(cfg.data.dataset))
         check_monitors(cfg, has_valid=getattr(splits, "valid", None) is not None)
         engine = build_engine(cfg, runtime, _callbacks(cfg, out, context) if not cfg.dry_run else [])
         hf.adopt(engine.module, splits)  # the tokenizer fits the model; class names into its config
@@ -389,7 +390,7 @@ def train(cfg: DictConfig, output_dir: str | None, context: dict[str, Any] | Non
             return None
         ckpt_dir = checkpoint_dir(cfg, out)
         if t.checkpoint.enabled:
-            hf.keep_tokenizer(splits, ckpt_dir)
+            hf.keep_tokenizer(splits, ckpt_dir, write=dev.is_main_process())
         history = _fit(cfg, engine, splits, ckpt_dir)
         if dev.is_main_process() and engine.state.stop_reason.startswith("preempted"):
             print(

@@ -36,6 +36,8 @@ from hydra.utils import get_object, instantiate
 from framework.backend.ds_config import zero_init_config
 from framework.backend.runtime import Runtime
 from framework.errors import ConfigError
+from framework.integrations import hf
+from framework.integrations.hf_models import BUILDS_HF_MODELS
 from framework.process import context as dev
 
 INIT_MODES = ("auto", "whole", "partitioned")
@@ -53,14 +55,6 @@ def _target(node: Any) -> Any:
         return None
 
 
-def _is_hf_model_class(target: Any) -> bool:
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
-        return False
-    return isinstance(target, type) and issubclass(target, PreTrainedModel)
-
-
 def count_parameters(node: Any) -> int:
     """Parameters the model will have, from a build on the meta device (no memory, the random
     generators untouched): of the model itself, or for a `path` directory of a Hugging Face model,
@@ -70,22 +64,10 @@ def count_parameters(node: Any) -> int:
     with torch.random.fork_rng(devices=[]), torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if config_file is not None and config_file.is_file():
-            model = _from_config_file(config_file)
+            model = hf.model_from_config_dir(config_file.parent, strict=False)
         else:
             model = instantiate(node)
     return sum(p.numel() for p in model.parameters())
-
-
-def _from_config_file(config_file: Path) -> Any:
-    """The model a `save_pretrained` directory's config.json describes (its first architecture)."""
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(str(config_file.parent), local_files_only=True)
-    name = (getattr(config, "architectures", None) or ["AutoModel"])[0]
-    cls = getattr(transformers, name, None)
-    if cls is None or name == "AutoModel":
-        return transformers.AutoModel.from_config(config)
-    return cls(config)
 
 
 def _free_host_bytes() -> int:
@@ -160,13 +142,10 @@ def _lost_initialisations() -> Iterator[list[str]]:
 
 def _partitioned(node: Any, runtime: Runtime, target: Any) -> Any:
     """Build inside zero.Init: transformers' own path for its models, ours for the rest."""
-    if _is_hf_model_class(target) or str(node._target_).startswith("framework.models.hf."):
-        from transformers.integrations import HfDeepSpeedConfig
-
+    if hf.is_hf_model_class(target) or getattr(target, BUILDS_HF_MODELS, False):
         runtime.start()
-        keep_alive = HfDeepSpeedConfig(zero_init_config(runtime.strategy, runtime.layout_for_init()))
-        try:
-            if _is_hf_model_class(target):  # a model class with its config: transformers' from_config
+        with hf.zero3_construction(zero_init_config(runtime.strategy, runtime.layout_for_init())):
+            if hf.is_hf_model_class(target):  # a model class with its config: transformers' from_config
                 kwargs = {
                     k: instantiate(v) if hasattr(v, "_target_") else v
                     for k, v in node.items()
@@ -174,8 +153,6 @@ def _partitioned(node: Any, runtime: Runtime, target: Any) -> Any:
                 }
                 return target._from_config(kwargs.pop("config"), **kwargs)
             return instantiate(node)
-        finally:
-            del keep_alive  # transformers holds it weakly: ZeRO-3 construction ends here
     with runtime.init_context(), _lost_initialisations() as lost:
         model = instantiate(node)
     if lost:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -87,20 +86,6 @@ def takes_use_cache(module: Any) -> bool:
     """True for a model whose forward has a `use_cache` parameter (Hugging Face models that return
     their key/value cache, a device-sized object per batch, unless told not to)."""
     return _has_use_cache(module.__class__)
-
-
-@functools.cache  # per model class: asked on every batch that updates metrics
-def _is_causal_lm(cls: type) -> bool:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    names = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-    return any(base.__name__ in names for base in cls.__mro__)
-
-
-def predicts_next_token(module: Any) -> bool:
-    """True for a Hugging Face causal LM: given `labels=`, its logits at position t are scored
-    against labels[t + 1] (it shifts them itself)."""
-    return "transformers" in sys.modules and _is_causal_lm(module.__class__)
 
 
 def _fields(outputs: Any) -> Mapping[str, Any] | None:

@@ -31,7 +31,8 @@ from typing import Any
 import torch
 
 from framework.backend import sequence_parallel
-from framework.data.outputs import is_model_loss, predicts_next_token, split
+from framework.data.outputs import is_model_loss, split
+from framework.integrations.hf import predicts_next_token
 from framework.plan.run_plan import Mesh
 from framework.process import context as dev
 

@@ -34,12 +34,12 @@ from framework.data.outputs import (
     logits_of,
     map_tensors,
     model_loss,
-    predicts_next_token,
     split,
     take,
     takes_use_cache,
 )
 from framework.errors import ConfigError
+from framework.integrations.hf import predicts_next_token
 
 ITERATOR_ARG = "dataloader_iter"
 

@@ -1,55 +1,34 @@
-"""Where a run meets Hugging Face conventions between its data and its model.
+"""Where a run meets Hugging Face conventions: the one module that imports `transformers`
+(with `framework.integrations.hf_models`, its model factories).
 
-* A dataset target may return `Splits(train, valid)` or a `datasets.DatasetDict` (its `train`
-  and `validation` / `valid` / `test` splits): `as_splits`.
-* A model loaded from a `save_pretrained` directory brings its tokenizer when the data names
-  none: `tokenizer_dir`.
-* Data made with a tokenizer is checked against the model's vocabulary, and classification
-  labels become the model's `id2label` / `label2id`: `adopt`.
-* The tokenizer's files are kept beside the checkpoints, where `export --hf` finds them:
-  `keep_tokenizer`.
+* What a model is: `is_hf_model` (a config and `save_pretrained`), `is_hf_model_class`,
+  `predicts_next_token` (a causal LM shifts its labels itself), `hf_model_in` (a wrapper's one
+  inner transformers model), `transformers_version`.
+* Models from files: `model_from_config_dir` (a `save_pretrained` directory's config.json, its
+  architecture), `zero3_construction` (transformers' own ZeRO-3 path: `HfDeepSpeedConfig`).
+* Tokenizers: `tokenizer_from` (a local directory or a `tokenizers` JSON file); a model loaded
+  from a directory brings its tokenizer when the data names none (`tokenizer_dir`); data made
+  with a tokenizer is checked against the model's vocabulary and classification labels become
+  the model's `id2label` / `label2id` (`adopt`); the tokenizer's files are kept beside the
+  checkpoints, where `export --hf` finds them (`keep_tokenizer`).
+* Attention: `register_attention` adds a function to transformers' attention registry (sequence
+  parallelism's Ulysses attention).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from framework.backend.weights import is_hf_model
-from framework.data.datasets.classification import Splits
 from framework.errors import ConfigError
-from framework.process import context as dev
 
 TOKENIZER_DIR = "tokenizer"  # in a checkpoints dir: the files of the tokenizer the run trained with
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 _MODEL_DIR_KEYS = ("path", "pretrained_model_name_or_path")
-_VALID_NAMES = ("validation", "valid", "test")
-
-
-def as_splits(data: Any) -> Splits:
-    """`Splits` from what a dataset target returned (see the module doc)."""
-    if isinstance(data, Splits):
-        return data
-    keys = list(data.keys()) if hasattr(data, "keys") else None
-    if keys is not None and "train" in keys:
-        valid = next((name for name in _VALID_NAMES if name in keys), None)
-        if valid is None:
-            raise ConfigError(
-                f"data.dataset returned splits {keys}: name one 'validation' (or 'valid' / 'test'), "
-                "or return framework.data.datasets.Splits(train, valid)"
-            )
-        return Splits(_torch_rows(data["train"]), _torch_rows(data[valid]))
-    raise ConfigError(
-        f"data.dataset returned a {type(data).__name__}: a dataset target returns "
-        "framework.data.datasets.Splits(train, valid) or a datasets.DatasetDict with a 'train' split"
-    )
-
-
-def _torch_rows(dataset: Any) -> Any:
-    """A `datasets.Dataset` without a format gives tensors (lists would not batch)."""
-    if hasattr(dataset, "with_format") and getattr(dataset, "format", {}).get("type") is None:
-        return dataset.with_format("torch")
-    return dataset
 
 
 def model_dir(model_node: Any) -> Path | None:
@@ -68,10 +47,109 @@ def tokenizer_dir(model_node: Any) -> Path | None:
     return path if path is not None and any((path / f).is_file() for f in _TOKENIZER_FILES) else None
 
 
+def is_hf_model(module: Any) -> bool:
+    """A Hugging Face model: it has a config and can write a `save_pretrained` directory."""
+    return hasattr(getattr(module, "config", None), "save_pretrained") and hasattr(module, "save_pretrained")
+
+
+def is_hf_model_class(target: Any) -> bool:
+    """True for a transformers model class (a `PreTrainedModel` subclass)."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return isinstance(target, type) and issubclass(target, PreTrainedModel)
+
+
+def transformers_version() -> str | None:
+    """The installed transformers' version, None without one."""
+    try:
+        import transformers
+    except ImportError:
+        return None
+    return str(transformers.__version__)
+
+
+@functools.cache  # per model class: asked on every batch that updates metrics
+def _is_causal_lm(cls: type) -> bool:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    return any(base.__name__ in names for base in cls.__mro__)
+
+
+def predicts_next_token(module: Any) -> bool:
+    """True for a Hugging Face causal LM: given `labels=`, its logits at position t are scored
+    against labels[t + 1] (it shifts them itself)."""
+    return "transformers" in sys.modules and _is_causal_lm(module.__class__)
+
+
+def hf_model_in(module: Any) -> tuple[str, Any] | None:
+    """(prefix, model): the Hugging Face model `module` is, or the one sub-module that is (a wrapper
+    around it); None when there is none, or several."""
+    if is_hf_model(module):
+        return "", module
+    found = [(name, m) for name, m in module.named_modules() if name and is_hf_model(m)]
+    outer = [(name, m) for name, m in found if not any(name.startswith(other + ".") for other, _ in found)]
+    return (outer[0][0] + ".", outer[0][1]) if len(outer) == 1 else None
+
+
 def _hf_model(module: Any) -> Any:
     if is_hf_model(module):
         return module
     return next((m for m in module.modules() if is_hf_model(m)), None)
+
+
+def model_from_config_dir(path: Path, strict: bool = True) -> Any:
+    """The model a `save_pretrained` directory's config.json describes (its first architecture),
+    with fresh weights; `strict=False` falls back to `AutoModel` for an unknown architecture."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+    name = (getattr(config, "architectures", None) or [None])[0]
+    cls = getattr(transformers, str(name), None)
+    if cls is None or name == "AutoModel":
+        if strict:
+            raise ConfigError(f"{path}: transformers has no model class {name!r} (from its config.json)")
+        return transformers.AutoModel.from_config(config)
+    return cls(config)
+
+
+@contextlib.contextmanager
+def zero3_construction(zero_config: dict[str, Any]) -> Iterator[None]:
+    """Transformers' own ZeRO-3 path while the block runs: its models built (or loaded) inside it
+    are born partitioned, initialised by transformers (`HfDeepSpeedConfig`, held weakly by it)."""
+    from transformers.integrations import HfDeepSpeedConfig
+
+    keep_alive = HfDeepSpeedConfig(zero_config)
+    try:
+        yield
+    finally:
+        del keep_alive  # ZeRO-3 construction ends here
+
+
+def register_attention(
+    name: str, core: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
+) -> None:
+    """Add `name` to transformers' attention registry (once per process): `wrap` of the library's
+    function `core`, with the masks `core` uses. A model uses it with `config._attn_implementation = name`."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    registry = AttentionInterface()  # a fresh instance: the library-wide functions
+    if name not in registry:
+        AttentionInterface.register(name, wrap(registry[core]))
+        AttentionMaskInterface.register(name, AttentionMaskInterface()[core])
+
+
+def tokenizer_from(path: Path) -> Any:
+    """A tokenizer from a local directory (`AutoTokenizer`) or a `tokenizers` JSON file."""
+    if path.is_dir():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_file=str(path))
 
 
 def check_vocabulary(model: Any, tokenizer: Any) -> None:
@@ -117,14 +195,14 @@ def adopt(module: Any, splits: Any) -> None:
         set_labels(model, labels)
 
 
-def keep_tokenizer(splits: Any, ckpt_dir: Path) -> Path | None:
-    """Rank 0 writes the data's tokenizer (one that has files: `save_pretrained`) into
-    `ckpt_dir/tokenizer`, for `export --hf`."""
+def keep_tokenizer(splits: Any, ckpt_dir: Path, write: bool = True) -> Path | None:
+    """The data's tokenizer (one that has files: `save_pretrained`) into `ckpt_dir/tokenizer`,
+    for `export --hf` (written where `write`: rank 0)."""
     tokenizer = getattr(splits, "tokenizer", None)
     if tokenizer is None or not hasattr(tokenizer, "save_pretrained"):
         return None
     out = ckpt_dir / TOKENIZER_DIR
-    if dev.is_main_process():
+    if write:
         out.mkdir(parents=True, exist_ok=True)
         tokenizer.save_pretrained(str(out))
     return out

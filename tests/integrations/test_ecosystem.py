@@ -251,7 +251,7 @@ def test_hf_export_round_trips_and_fine_tuning_starts_from_the_directory(tmp_pat
     rows = Token(32)
     with torch.no_grad():
         expected = float(loaded(input_ids=rows.ids[:16], labels=rows.ids[:16]).loss)
-    node = OmegaConf.create({"_target_": "framework.models.hf.causal_lm", "path": str(out)})
+    node = OmegaConf.create({"_target_": "framework.integrations.hf_models.causal_lm", "path": str(out)})
     runtime = Runtime(Strategy(sharding={"stage": 3, "init": "partitioned"}))
     runtime.fix_layout(16)
     model = construct.build_model(node, runtime)

@@ -140,8 +140,8 @@ def test_the_readmes_install_line_brings_everything_the_hf_features_import():
     )
     files = [
         *(ROOT / "framework").rglob("*.py"),
-        ROOT / "tests" / "test_hf.py",
-        ROOT / "tests" / "test_ecosystem.py",
+        ROOT / "tests" / "integrations" / "test_hf.py",
+        ROOT / "tests" / "integrations" / "test_ecosystem.py",
     ]
     providers = metadata.packages_distributions()
     missing = {
@@ -280,21 +280,20 @@ def test_a_dataset_target_may_return_a_dataset_dict():
     import datasets
 
     from framework import ConfigError
-    from framework.data.datasets import Splits
-    from framework.integrations import hf
+    from framework.data.datasets import Splits, as_splits
 
     rows = datasets.Dataset.from_dict({"input_ids": [[1, 2], [3, 4], [5, 6]], "labels": [0, 1, 0]})
-    splits = hf.as_splits(datasets.DatasetDict(train=rows, validation=rows.select([0])))
+    splits = as_splits(datasets.DatasetDict(train=rows, validation=rows.select([0])))
     assert isinstance(splits, Splits) and len(splits.train) == 3 and len(splits.valid) == 1
     assert torch.equal(splits.train[1]["input_ids"], torch.tensor([3, 4]))  # tensors, ready to batch
     with pytest.raises(
         ConfigError, match=r"data.dataset returned splits \['train', 'extra'\]: name one 'validation'"
     ):
-        hf.as_splits(datasets.DatasetDict(train=rows, extra=rows))
+        as_splits(datasets.DatasetDict(train=rows, extra=rows))
     with pytest.raises(
         ConfigError, match="returned a list: a dataset target returns framework.data.datasets.Splits"
     ):
-        hf.as_splits([rows, rows])
+        as_splits([rows, rows])
 
 
 @pytest.mark.slow
@@ -409,7 +408,7 @@ def test_the_parameter_count_of_a_model_directory_is_its_models(tmp_path, tied):
     model.config.tie_word_embeddings = tied
     model = transformers.LlamaForCausalLM(model.config)
     model.save_pretrained(tmp_path)
-    node = OmegaConf.create({"_target_": "framework.models.hf.causal_lm", "path": str(tmp_path)})
+    node = OmegaConf.create({"_target_": "framework.integrations.hf_models.causal_lm", "path": str(tmp_path)})
     assert count_parameters(node) == sum(p.numel() for p in model.parameters())
 
 

@@ -1,7 +1,7 @@
 """Data that ships with the project or is generated: nothing is downloaded."""
 
 from framework.data.datasets.chars import chars
-from framework.data.datasets.classification import Splits, digits, synthetic
+from framework.data.datasets.classification import Splits, as_splits, digits, synthetic
 from framework.data.datasets.files import csv_classification
 
-__all__ = ["Splits", "chars", "csv_classification", "digits", "synthetic"]
+__all__ = ["Splits", "as_splits", "chars", "csv_classification", "digits", "synthetic"]

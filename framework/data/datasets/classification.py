@@ -7,6 +7,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
+from framework.errors import ConfigError
+
 
 class Splits(NamedTuple):
     """A training set and a validation set: what a `data.dataset` target returns (two map-style
@@ -14,6 +16,36 @@ class Splits(NamedTuple):
 
     train: Dataset
     valid: Dataset
+
+
+_VALID_NAMES = ("validation", "valid", "test")
+
+
+def as_splits(data: Any) -> Splits:
+    """`Splits` from what a dataset target returned: `Splits(train, valid)` as it is, or a
+    `datasets.DatasetDict`'s `train` and `validation` / `valid` / `test` splits (as tensors)."""
+    if isinstance(data, Splits):
+        return data
+    keys = list(data.keys()) if hasattr(data, "keys") else None
+    if keys is not None and "train" in keys:
+        valid = next((name for name in _VALID_NAMES if name in keys), None)
+        if valid is None:
+            raise ConfigError(
+                f"data.dataset returned splits {keys}: name one 'validation' (or 'valid' / 'test'), "
+                "or return framework.data.datasets.Splits(train, valid)"
+            )
+        return Splits(_torch_rows(data["train"]), _torch_rows(data[valid]))
+    raise ConfigError(
+        f"data.dataset returned a {type(data).__name__}: a dataset target returns "
+        "framework.data.datasets.Splits(train, valid) or a datasets.DatasetDict with a 'train' split"
+    )
+
+
+def _torch_rows(dataset: Any) -> Any:
+    """A `datasets.Dataset` without a format gives tensors (lists would not batch)."""
+    if hasattr(dataset, "with_format") and getattr(dataset, "format", {}).get("type") is None:
+        return dataset.with_format("torch")
+    return dataset
 
 
 def _split(x: torch.Tensor, y: torch.Tensor, val_fraction: float, seed: int) -> Splits:

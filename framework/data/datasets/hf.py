@@ -17,6 +17,7 @@ from typing import Any
 
 from framework.data.datasets.classification import Splits
 from framework.errors import ConfigError
+from framework.integrations import hf
 
 BYTE_VOCAB_SIZE = 256
 
@@ -45,14 +46,8 @@ def load_tokenizer(tokenizer: str | None) -> Any:
     if tokenizer in (None, "bytes"):
         return ByteTokenizer()
     path = Path(str(tokenizer)).expanduser()
-    if path.is_dir():
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    if path.is_file():
-        from transformers import PreTrainedTokenizerFast
-
-        return PreTrainedTokenizerFast(tokenizer_file=str(path))
+    if path.exists():
+        return hf.tokenizer_from(path)
     raise FileNotFoundError(
         f"data.dataset.tokenizer={tokenizer}: no such directory or file (or use bytes, the default)"
     )

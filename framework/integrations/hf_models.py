@@ -4,13 +4,16 @@
     model=hf_sequence_classification model.path=DIR model.num_labels=3   # a classifier
     model=hf_gpt2 / model=hf_llama        # tiny models built from a config (conf/model/)
 
-Under ZeRO-3, when the model is built partitioned (see `framework.cli.build`), transformers' own
-ZeRO-3 path loads and initialises it (its `HfDeepSpeedConfig` is active while this runs).
+Under ZeRO-3, when the model is built partitioned (see `framework.cli.construct`), transformers'
+own ZeRO-3 path loads and initialises it (its `HfDeepSpeedConfig` is active while this runs):
+`BUILDS_HF_MODELS` marks these factories for it.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+BUILDS_HF_MODELS = "builds_hf_model"  # the attribute that marks a factory of transformers models
 
 
 def causal_lm(path: str | None = None, config: Any = None, **kwargs: Any) -> Any:
@@ -51,3 +54,7 @@ def sequence_classification(
     if "num_labels" in kwargs:
         config.num_labels = kwargs.pop("num_labels")
     return AutoModelForSequenceClassification.from_config(config, **kwargs)
+
+
+for _factory in (causal_lm, sequence_classification):
+    setattr(_factory, BUILDS_HF_MODELS, True)
