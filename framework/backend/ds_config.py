@@ -6,53 +6,11 @@ The only module that knows DeepSpeed's JSON keys. Pure: the same inputs give the
 from __future__ import annotations
 
 import copy
-import math
 from typing import Any
 
+from framework.plan.cost import chosen_sizes
 from framework.plan.run_plan import BatchLayout
 from framework.plan.strategy import Strategy, parse_tp_style, plan_regex
-
-
-def auto_sizes(num_params: int, largest_param: int, largest_block: int = 0) -> dict[str, int]:
-    """Size-dependent ZeRO settings from the model, for settings left as "auto".
-
-    With P parameters, L the largest one and B the largest block (a layer of the model's
-    `nn.ModuleList`s, e.g. a transformer block; 0 when it has none), every size clamped to
-    1e5 .. 5e8 elements and rounded up to a multiple of 64 (DeepSpeed asserts alignment):
-      reduce / allgather bucket = min(L, P / 8)   small: a gradient bucket is a transient copy
-      ZeRO-3 prefetch bucket    = max(L, B)       the next layer / block arrives while this one computes
-      max live parameters       = 2 x prefetch    about two of the largest layers or blocks at once
-      max reuse distance        = prefetch        a gathered layer is kept only if reused that soon
-      persistence threshold     = 10 x sqrt(L)    biases / norms stay whole, like HF's 10 x hidden
-      sub group                 = P / 4           optimizer step in ~4 chunks (matters under offload)
-    DeepSpeed's own defaults (5e8-element buckets, 1e9 live parameters) are sized for large
-    GPUs; the README's Performance section compares the two.
-    """
-
-    def clamp(n: int) -> int:
-        return -(-int(min(max(n, 100_000), 500_000_000)) // 64) * 64
-
-    largest = max(int(largest_param), 1)
-    bucket = clamp(min(largest, num_params // 8))
-    prefetch = clamp(max(largest, int(largest_block)))
-    return {
-        "reduce_bucket_size": bucket,
-        "allgather_bucket_size": bucket,
-        "prefetch_bucket_size": prefetch,
-        "param_persistence_threshold": int(10 * math.isqrt(largest)),
-        "max_live_parameters": 2 * prefetch,
-        "max_reuse_distance": prefetch,
-        "sub_group_size": -(-int(min(max(num_params // 4, 100_000), 1_000_000_000)) // 64) * 64,
-    }
-
-
-def chosen_sizes(
-    strategy: Strategy, num_params: int, largest_param: int, largest_block: int = 0
-) -> dict[str, int]:
-    """The ZeRO size settings a run uses: the strategy's own values, "auto" ones from the model."""
-    sizes = auto_sizes(num_params, largest_param, largest_block)
-    s = strategy.sharding
-    return {k: (v if getattr(s, k) in (None, "auto") else int(getattr(s, k))) for k, v in sizes.items()}
 
 
 def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

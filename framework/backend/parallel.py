@@ -8,8 +8,6 @@ one-line error instead of a shape error deep in a forward), and which plan split
 
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
 
@@ -17,7 +15,7 @@ from framework.backend import expert_parallel, sequence_parallel
 from framework.errors import ConfigError
 from framework.integrations.hf import is_hf_model
 from framework.plan.run_plan import Mesh
-from framework.plan.strategy import Strategy, parse_tp_style, plan_regex
+from framework.plan.strategy import Strategy
 from framework.process import context as dev
 
 # Where a model states its head and expert counts: Hugging Face config names, then ours.
@@ -56,42 +54,6 @@ def tp_plan_of(strategy: Strategy, module: nn.Module) -> dict[str, str] | None:
         "split; give strategy.tensor_parallel.plan (module name -> column / row / replicate), a "
         "`tensor_parallel_plan` attribute on the model, or strategy.tensor_parallel.preset"
     )
-
-
-def _plan_regexes(plan: dict[str, str]) -> list[re.Pattern[str]]:
-    """The module-name patterns of a plan's split layers (`*` = one name part)."""
-    out = []
-    for pattern, style in plan.items():
-        if parse_tp_style(pattern, style)[0] == "replicate":
-            continue
-        out.append(re.compile(plan_regex(pattern, "weight|bias")))
-    return out
-
-
-def split_numel(module: nn.Module, strategy: Strategy) -> tuple[int, int]:
-    """(parameters tensor parallelism splits, parameters expert parallelism splits) of `module`
-    under `strategy`, for the memory estimate. Without a plan (a Hugging Face model's own
-    `tp_plan`), the linear layers inside repeated blocks count as split, as they do under the
-    usual column / row plans; experts are the parameters under an `experts` module."""
-    tp, ep = strategy.tensor_parallel.degree, strategy.expert_parallel.degree
-    named = [(name, p.numel()) for name, p in module.named_parameters()]
-    tp_split = ep_split = 0
-    if tp > 1:
-        plan = strategy.tensor_parallel.plan or getattr(module, "tensor_parallel_plan", None)
-        if plan:
-            regexes = _plan_regexes(dict(plan))
-            tp_split = sum(n for name, n in named if any(r.match(name) for r in regexes))
-        else:
-            linears = {
-                f"{mod_name}.{p_name}"
-                for mod_name, mod in module.named_modules()
-                if isinstance(mod, nn.Linear) and re.search(r"\.\d+\.", f".{mod_name}.")
-                for p_name, _ in mod.named_parameters(recurse=False)
-            }
-            tp_split = sum(n for name, n in named if name in linears)
-    if ep > 1:
-        ep_split = sum(n for name, n in named if ".experts." in f".{name}")
-    return tp_split, ep_split
 
 
 def check_model(strategy: Strategy, mesh: Mesh, module: nn.Module) -> None:

@@ -55,7 +55,7 @@ def seed_everything(seed: int) -> None:
 
 def build_strategy(cfg: DictConfig) -> Strategy:
     """The run's `Strategy` from the composed `strategy` node (validated)."""
-    return Strategy.from_config(cfg.strategy)
+    return Strategy.from_config(OmegaConf.to_container(cfg.strategy, resolve=True))
 
 
 def validate(cfg: DictConfig, world_size: int) -> Strategy:

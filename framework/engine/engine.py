@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from framework import checkpoint
+from framework.backend import estimate as cost_lib
 from framework.backend import weights
 from framework.backend.ds_config import configures_optimizer
 from framework.backend.runtime import Runtime
@@ -39,7 +40,6 @@ from framework.errors import ConfigError
 from framework.observe.callbacks import Callback, CallbackList
 from framework.observe.metrics import Metrics
 from framework.observe.state import LoopState
-from framework.plan import cost as cost_lib
 from framework.plan.strategy import Strategy
 from framework.process import context as dev
 from framework.process import watchdog

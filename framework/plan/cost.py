@@ -21,21 +21,26 @@ Offloaded parts live in CPU memory instead of the device's.
 
 Under tensor parallelism of degree T, the parameters its plan splits count 1/T on a rank, and
 N is the data-parallel degree that is left (processes / T); expert parallelism of degree E
-divides the experts' parameters by E. Sequence parallelism splits activations, not model states.
+divides the experts' parameters by E (`split_numel` counts what a plan splits). Sequence
+parallelism splits activations, not model states.
+
+The buffer sizes a strategy leaves as `auto` come from the model too (`auto_sizes`,
+`chosen_sizes`); `framework.backend.estimate` applies all of this to a live module.
 """
 
 from __future__ import annotations
 
 import functools
 import gc
+import math
+import re
 from typing import Any
 
 import torch
+from torch import nn
 
-from framework.backend.ds_config import chosen_sizes
-from framework.backend.parallel import split_numel
 from framework.plan.run_plan import mesh_of
-from framework.plan.strategy import Strategy
+from framework.plan.strategy import Strategy, parse_tp_style, plan_regex
 
 
 def param_counts(module: torch.nn.Module) -> tuple[int, int]:
@@ -65,6 +70,84 @@ def optimizer_state_bytes_per_param(optimizer: Any) -> int:
     if "adagrad" in name or "rmsprop" in name:
         return 4
     return 8  # Adam, AdamW, Lamb and most others keep two fp32 moments
+
+
+def auto_sizes(num_params: int, largest_param: int, largest_block: int = 0) -> dict[str, int]:
+    """Size-dependent ZeRO settings from the model, for settings left as "auto".
+
+    With P parameters, L the largest one and B the largest block (a layer of the model's
+    `nn.ModuleList`s, e.g. a transformer block; 0 when it has none), every size clamped to
+    1e5 .. 5e8 elements and rounded up to a multiple of 64 (DeepSpeed asserts alignment):
+      reduce / allgather bucket = min(L, P / 8)   small: a gradient bucket is a transient copy
+      ZeRO-3 prefetch bucket    = max(L, B)       the next layer / block arrives while this one computes
+      max live parameters       = 2 x prefetch    about two of the largest layers or blocks at once
+      max reuse distance        = prefetch        a gathered layer is kept only if reused that soon
+      persistence threshold     = 10 x sqrt(L)    biases / norms stay whole, like HF's 10 x hidden
+      sub group                 = P / 4           optimizer step in ~4 chunks (matters under offload)
+    DeepSpeed's own defaults (5e8-element buckets, 1e9 live parameters) are sized for large
+    GPUs; the README's Performance section compares the two.
+    """
+
+    def clamp(n: int) -> int:
+        return -(-int(min(max(n, 100_000), 500_000_000)) // 64) * 64
+
+    largest = max(int(largest_param), 1)
+    bucket = clamp(min(largest, num_params // 8))
+    prefetch = clamp(max(largest, int(largest_block)))
+    return {
+        "reduce_bucket_size": bucket,
+        "allgather_bucket_size": bucket,
+        "prefetch_bucket_size": prefetch,
+        "param_persistence_threshold": int(10 * math.isqrt(largest)),
+        "max_live_parameters": 2 * prefetch,
+        "max_reuse_distance": prefetch,
+        "sub_group_size": -(-int(min(max(num_params // 4, 100_000), 1_000_000_000)) // 64) * 64,
+    }
+
+
+def chosen_sizes(
+    strategy: Strategy, num_params: int, largest_param: int, largest_block: int = 0
+) -> dict[str, int]:
+    """The ZeRO size settings a run uses: the strategy's own values, "auto" ones from the model."""
+    sizes = auto_sizes(num_params, largest_param, largest_block)
+    s = strategy.sharding
+    return {k: (v if getattr(s, k) in (None, "auto") else int(getattr(s, k))) for k, v in sizes.items()}
+
+
+def _plan_regexes(plan: dict[str, str]) -> list[re.Pattern[str]]:
+    """The module-name patterns of a plan's split layers (`*` = one name part)."""
+    out = []
+    for pattern, style in plan.items():
+        if parse_tp_style(pattern, style)[0] == "replicate":
+            continue
+        out.append(re.compile(plan_regex(pattern, "weight|bias")))
+    return out
+
+
+def split_numel(module: nn.Module, strategy: Strategy) -> tuple[int, int]:
+    """(parameters tensor parallelism splits, parameters expert parallelism splits) of `module`
+    under `strategy`, for the memory estimate. Without a plan (a Hugging Face model's own
+    `tp_plan`), the linear layers inside repeated blocks count as split, as they do under the
+    usual column / row plans; experts are the parameters under an `experts` module."""
+    tp, ep = strategy.tensor_parallel.degree, strategy.expert_parallel.degree
+    named = [(name, p.numel()) for name, p in module.named_parameters()]
+    tp_split = ep_split = 0
+    if tp > 1:
+        plan = strategy.tensor_parallel.plan or getattr(module, "tensor_parallel_plan", None)
+        if plan:
+            regexes = _plan_regexes(dict(plan))
+            tp_split = sum(n for name, n in named if any(r.match(name) for r in regexes))
+        else:
+            linears = {
+                f"{mod_name}.{p_name}"
+                for mod_name, mod in module.named_modules()
+                if isinstance(mod, nn.Linear) and re.search(r"\.\d+\.", f".{mod_name}.")
+                for p_name, _ in mod.named_parameters(recurse=False)
+            }
+            tp_split = sum(n for name, n in named if name in linears)
+    if ep > 1:
+        ep_split = sum(n for name, n in named if ".experts." in f".{name}")
+    return tp_split, ep_split
 
 
 def model_state_bytes(
@@ -117,47 +200,6 @@ def model_state_bytes(
         "data_parallel_size": n,
         "parameters_per_rank": int(psi),
     }
-
-
-def deepspeed_estimate(
-    strategy: Strategy, num_params: int, largest_param: int, world_size: int
-) -> dict[str, int] | None:
-    """DeepSpeed's own estimator (it assumes fp16 mixed precision + Adam) for stages 2 and 3, else None."""
-    stage = strategy.sharding.stage
-    offload = strategy.sharding.offload_optimizer
-    if stage == 2:
-        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
-
-        cpu, gpu = estimate_zero2_model_states_mem_needs(num_params, world_size, 1, offload, 1.0)
-        return {"device_bytes": int(gpu), "cpu_bytes": int(cpu)}
-    if stage == 3:
-        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-
-        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
-            num_params, largest_param, world_size, 1, offload, strategy.sharding.offload_params, True, 1.0
-        )
-        return {"device_bytes": int(gpu), "cpu_bytes": int(cpu)}
-    return None
-
-
-def estimate(
-    module: Any, strategy: Strategy, optimizer: Any, world_size: int, mode: str = "train"
-) -> dict[str, Any]:
-    """Per-rank bytes of `module`'s model states under `strategy` (see the module doc) with
-    `optimizer` (a torch optimizer, class or factory; None: no optimizer states), before anything
-    runs; DeepSpeed's own estimate beside it. Eval / predict hold parameters only."""
-    numel, largest = param_counts(module)
-    k = optimizer_state_bytes_per_param(optimizer) if optimizer is not None else 8
-    if mode != "train":
-        k = 0
-    tp_split, ep_split = split_numel(module, strategy)
-    result: dict[str, Any] = model_state_bytes(strategy, numel, largest, world_size, k, tp_split, ep_split)
-    if mode != "train":
-        result["grads_bytes"] = 0
-        result["total_bytes"] = result["params_bytes"] + result["optimizer_bytes"]
-    result["largest_parameter"] = largest
-    result["deepspeed_estimate"] = deepspeed_estimate(strategy, numel, largest, world_size)
-    return result
 
 
 def live_tensor_bytes(exclude: set[int] | None = None) -> tuple[int, set[int]]:

@@ -18,7 +18,7 @@ from framework.errors import ConfigError
 @dataclass
 class Sharding:
     """ZeRO partitioning. `stage` 0 = plain data parallel; 1 = optimizer states; 2 = + gradients;
-    3 = + parameters. Size settings left as "auto" are sized from the model (see `framework.backend.ds_config.auto_sizes`)."""
+    3 = + parameters. Size settings left as "auto" are sized from the model (see `framework.plan.cost.auto_sizes`)."""
 
     stage: int = 0
     offload_optimizer: bool = False  # optimizer states and step on the CPU (stages 1-3)
@@ -167,15 +167,13 @@ class Strategy:
 
     @classmethod
     def from_config(cls, node: Any) -> Strategy:
-        """Build from a composed `strategy` config node (DictConfig or plain dict) or pass a Strategy through."""
+        """Build from a `strategy` mapping (the CLI hands its composed node as a plain dict) or
+        pass a Strategy through."""
         if node is None:
             return cls()
         if isinstance(node, Strategy):
             return node
-        from omegaconf import DictConfig, OmegaConf
-
-        data = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
-        assert isinstance(data, dict)
+        data = dict(node)
         unknown = set(data) - {f.name for f in fields(cls)}
         if unknown:
             raise ConfigError(

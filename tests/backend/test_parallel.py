@@ -11,8 +11,9 @@ import torch
 
 from framework import ConfigError, Engine, Strategy
 from framework.backend.ds_config import deepspeed_config
-from framework.backend.parallel import check_model, split_numel, tp_plan_of
+from framework.backend.parallel import check_model, tp_plan_of
 from framework.models import GPT, MLP, LMLoss
+from framework.plan.cost import split_numel
 from framework.plan.run_plan import Mesh, batch_layout, mesh_of
 from framework.plan.strategy import parse_tp_style
 

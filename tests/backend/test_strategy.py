@@ -7,8 +7,9 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
-from framework.backend.ds_config import auto_sizes, deepspeed_config
+from framework.backend.ds_config import deepspeed_config
 from framework.errors import ConfigError
+from framework.plan.cost import auto_sizes
 from framework.plan.run_plan import batch_layout
 from framework.plan.strategy import Amp, Sharding, Strategy
 
@@ -39,7 +40,7 @@ EXPECTED = {
 
 def _from_file(name: str) -> Strategy:
     node = OmegaConf.merge(OmegaConf.structured(Strategy), OmegaConf.load(CONF / "strategy" / f"{name}.yaml"))
-    return Strategy.from_config(node)
+    return Strategy.from_config(OmegaConf.to_container(node, resolve=True))
 
 
 MODEL_PARALLEL = {  # file -> the DeepSpeed sections its degree must turn into

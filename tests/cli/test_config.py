@@ -9,6 +9,7 @@ from hydra.utils import instantiate
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
 from framework.cli.argv import normalize
+from framework.cli.build import build_strategy
 from framework.cli.config import GROUPS, check_schema
 from framework.cli.main import prepare_argv
 from framework.data.datasets import Splits
@@ -90,7 +91,7 @@ def test_an_option_in_the_config_store_passes_the_prechecks():
 
 @pytest.mark.parametrize("name", options("strategy"))
 def test_every_strategy_option_builds_a_strategy(compose, name):
-    assert isinstance(Strategy.from_config(compose([f"strategy={name}"]).strategy), Strategy)
+    assert isinstance(build_strategy(compose([f"strategy={name}"])), Strategy)
 
 
 @pytest.mark.parametrize("name", options("model"))

@@ -157,9 +157,8 @@ def test_saved_deepspeed_config_is_what_deepspeed_received(tmp_path):
     import torch
 
     from framework import Engine, Strategy
-    from framework.backend.ds_config import auto_sizes
     from framework.models import MLP
-    from framework.plan.cost import param_counts
+    from framework.plan.cost import auto_sizes, param_counts
     from framework.process import context as device
 
     run = run_train(["+strategy=zero3", *FAST], tmp_path)

@@ -1,0 +1,50 @@
+"""Per-rank bytes of a model's states under a strategy and mesh (`framework.plan.cost`'s formulas
+applied to a live module), with DeepSpeed's own estimators beside them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from framework.plan.cost import model_state_bytes, optimizer_state_bytes_per_param, param_counts, split_numel
+from framework.plan.strategy import Strategy
+
+
+def deepspeed_estimate(
+    strategy: Strategy, num_params: int, largest_param: int, world_size: int
+) -> dict[str, int] | None:
+    """DeepSpeed's own estimator (it assumes fp16 mixed precision + Adam) for stages 2 and 3, else None."""
+    stage = strategy.sharding.stage
+    offload = strategy.sharding.offload_optimizer
+    if stage == 2:
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+        cpu, gpu = estimate_zero2_model_states_mem_needs(num_params, world_size, 1, offload, 1.0)
+        return {"device_bytes": int(gpu), "cpu_bytes": int(cpu)}
+    if stage == 3:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+            num_params, largest_param, world_size, 1, offload, strategy.sharding.offload_params, True, 1.0
+        )
+        return {"device_bytes": int(gpu), "cpu_bytes": int(cpu)}
+    return None
+
+
+def estimate(
+    module: Any, strategy: Strategy, optimizer: Any, world_size: int, mode: str = "train"
+) -> dict[str, Any]:
+    """Per-rank bytes of `module`'s model states under `strategy` (see the module doc) with
+    `optimizer` (a torch optimizer, class or factory; None: no optimizer states), before anything
+    runs; DeepSpeed's own estimate beside it. Eval / predict hold parameters only."""
+    numel, largest = param_counts(module)
+    k = optimizer_state_bytes_per_param(optimizer) if optimizer is not None else 8
+    if mode != "train":
+        k = 0
+    tp_split, ep_split = split_numel(module, strategy)
+    result: dict[str, Any] = model_state_bytes(strategy, numel, largest, world_size, k, tp_split, ep_split)
+    if mode != "train":
+        result["grads_bytes"] = 0
+        result["total_bytes"] = result["params_bytes"] + result["optimizer_bytes"]
+    result["largest_parameter"] = largest
+    result["deepspeed_estimate"] = deepspeed_estimate(strategy, numel, largest, world_size)
+    return result
