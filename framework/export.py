@@ -20,8 +20,6 @@ the CLI; `--tokenizer DIR` names another), so `AutoTokenizer.from_pretrained(OUT
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import re
 import shutil
 import sys
@@ -29,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from framework.backend import expert_parallel
+from framework.backend import checkpoint_files, expert_parallel
 from framework.backend.weights import load_weights, save_weights
 from framework.checkpoint import safety, store
 from framework.checkpoint.manager import HF_CONFIG, HF_PREFIX
@@ -60,10 +58,7 @@ def fp32_state_dict(ckpt: str | Path) -> dict[str, torch.Tensor]:
         states = safety.load_safely(path / "mp_rank_00_model_states.pt")
         weights = {k: v.float() if v.is_floating_point() else v for k, v in states["module"].items()}
         return _with_fp32_masters(weights, states)
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    with contextlib.redirect_stdout(io.StringIO()):  # it prints progress
-        return dict(get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name))
+    return checkpoint_files.zero_fp32_state_dict(path.parent, path.name)
 
 
 def _tp_size(path: Path, meta: dict) -> int:
@@ -105,8 +100,6 @@ def _merged_zero0_shards(path: Path, tp: int) -> dict[str, torch.Tensor]:
     parameter (its fp32 masters beside them under mixed precision); the affine map AutoTP saved
     with them says which piece of the whole parameter each rank holds (DeepSpeed's own rebuild).
     An unsplit tensor must be the same on every rank."""
-    from deepspeed.checkpoint.affine import ParamAffineMap
-
     ranks = [safety.load_safely(path / f"mp_rank_{r:02d}_model_states.pt") for r in range(tp)]
     shards = [
         _with_fp32_masters({k: v.float() if v.is_floating_point() else v for k, v in s["module"].items()}, s)
@@ -118,7 +111,7 @@ def _merged_zero0_shards(path: Path, tp: int) -> dict[str, torch.Tensor]:
     for key in (k for k in shards[0] if k not in shared):
         entry = next((e for pattern, e in maps.items() if re.fullmatch(pattern, key)), None)
         if entry is not None:
-            out[key] = ParamAffineMap.from_dict(entry).rebuild({r: s[key] for r, s in enumerate(shards)})
+            out[key] = checkpoint_files.rebuild_split(entry, {r: s[key] for r, s in enumerate(shards)})
         elif all(torch.equal(s[key], shards[0][key]) for s in shards):
             out[key] = shards[0][key]
         else:

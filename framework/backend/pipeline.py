@@ -22,6 +22,18 @@ from framework.plan.strategy import Strategy
 SCHEDULES = ("1F1B",)
 
 
+def tied_layer(
+    key: str, layer: type[nn.Module], *args: Any, forward_fn: Callable[..., Any] | None = None
+) -> Any:
+    """A layer of `pipeline_layers()` that shares its weights with every other layer of the same
+    `key` (an input embedding and the output head), built on whichever stages hold it as
+    `layer(*args)`; `forward_fn(module, x)` replaces its forward where given (DeepSpeed's
+    `TiedLayerSpec`: a model declares ties without importing DeepSpeed)."""
+    from deepspeed.pipe import TiedLayerSpec
+
+    return TiedLayerSpec(key, layer, *args, forward_fn=forward_fn)
+
+
 def pipeline_layers(model: nn.Module) -> list[Any]:
     """The model's layers in order, or a clear error if it cannot be split."""
     split = getattr(model, "pipeline_layers", None)

@@ -1,5 +1,9 @@
 """Checkpoints that resume exactly and are never half-written, and preemption.
 
+Rule: imports the packages below it (`errors`, `process`, `integrations`, `plan`, `data`,
+`backend`, `observe`), never the loop, the API or the CLI; DeepSpeed's own files are read and
+converted through `framework.backend` (`runtime`, `checkpoint_files`).
+
 * `store`       the layout on disk, atomic writes, COMPLETE.json, `latest`, prune, resolve,
                 conversion for another world size;
 * `lock`        one run at a time per checkpoints dir;

@@ -16,19 +16,11 @@ from typing import Any
 
 import torch
 
+from framework.backend.checkpoint_files import allowed_classes
 from framework.errors import CheckpointError
 
 # Files that hold only what is written into COMPLETE.json itself, or are rewritten after it.
 _UNHASHED = ("COMPLETE.json",)
-
-
-def allowed_classes() -> list[Any]:
-    """The few non-tensor classes real DeepSpeed checkpoint files hold (ZeRO 0-3, bf16/fp16)."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
 def sha256(path: Path) -> str:

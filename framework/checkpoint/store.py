@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from framework.backend import checkpoint_files
 from framework.checkpoint import safety
 from framework.checkpoint.lock import LOCK, acquire_lock, release_lock
 from framework.errors import CheckpointError, ConfigError
@@ -290,10 +291,7 @@ def _convert(path: Path, out: Path, meta: dict[str, Any]) -> None:
     remove_interrupted(out.parent)
     fresh = Path(tempfile.mkdtemp(prefix=f"{out.name}{CONVERTING}{os.getpid()}-", dir=out.parent))
     try:
-        cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(path)]
-        cmd += ["--output_folder", str(fresh)]
-        if int(meta["zero_stage"]) == 2:
-            cmd.append("--inject_missing_state")
+        cmd = checkpoint_files.universal_command(path, fresh, int(meta["zero_stage"]))
         with watchdog.suspended(watchdog.LONG_WORK, "converting a checkpoint"):
             limit = watchdog.budget()  # stopped (SIGSTOP) or stuck, it is killed before the watchdog fires
             try:

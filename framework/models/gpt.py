@@ -129,15 +129,15 @@ class GPT(nn.Module):
         """The model as pipeline layers: the embedding appears twice as a tied layer (input
         embedding on the first stage, output head on the last); the rest are this model's own
         modules, so a pipeline starts from exactly these weights."""
-        from deepspeed.pipe import TiedLayerSpec
+        from framework.backend.pipeline import tied_layer
 
         args = (self.vocab_size, self.n_embd)
         return [
-            TiedLayerSpec("wte", TokenEmbedding, *args),
+            tied_layer("wte", TokenEmbedding, *args),
             self.pos,
             *self.blocks,
             self.ln_f,
-            TiedLayerSpec("wte", TokenEmbedding, *args, forward_fn=_tied_head),
+            tied_layer("wte", TokenEmbedding, *args, forward_fn=_tied_head),
         ]
 
 
