@@ -67,10 +67,34 @@ def median(values: list[float]) -> float:
 
 def quiet() -> None:
     """The same quiet environment the framework sets up for a run."""
-    from framework.process import context as device
+    from framework.backend import deepspeed_globals
+    from framework.process.context import choose_accelerator
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    device.quiet_deepspeed()
+    deepspeed_globals.quiet(accelerator=choose_accelerator())
+
+
+def start_job() -> Any:
+    """This process's `ProcessContext` with DeepSpeed joined to its group, as a run has it (for a
+    hand-written DeepSpeed loop beside Engine.fit)."""
+    from framework import ProcessContext
+    from framework.backend import deepspeed_globals
+
+    job = ProcessContext.start()
+    deepspeed_globals.join(job)
+    return job
+
+
+def end_job() -> None:
+    """End this process's process group, whichever context made it, with DeepSpeed's cached
+    groups (between the rows or checks of one benchmark process)."""
+    import torch.distributed as dist
+
+    from framework.backend import deepspeed_globals
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    deepspeed_globals.forget_groups()
 
 
 def parse_args(doc: str | None, argv: list[str] | None) -> argparse.Namespace:

@@ -49,21 +49,20 @@ def prepared(row: dict[str, Any], setup: Setup) -> dict[str, Any]:
     the optimizer the framework would use (DeepSpeed's CPU Adam under offload when it builds)."""
     from framework.backend.placement import offload_optimizer
     from framework.backend.runtime import Runtime
-    from framework.process import context as dev
 
     runtime = Runtime(strategy_of(row))  # on a CPU: offload dropped, as for Engine
-    dev.init_process_group()
+    job = runtime.start()
     runtime.fix_layout(setup.micro_batch)
-    model = llama(setup, dev.device())
+    model = llama(setup, job.device)
     config = runtime.deepspeed_config_for(model)
-    factory = offload_optimizer(runtime.strategy, functools.partial(torch.optim.AdamW, lr=setup.lr))
+    factory = offload_optimizer(runtime.strategy, functools.partial(torch.optim.AdamW, lr=setup.lr), job)
     return {
         "model": model,
         "config": config,
         "optimizer": factory(model.parameters()),
         "flops_per_token": flops_per_token(model, setup.seq),
         "params": count_params(model),
-        "device": dev.device(),
+        "device": job.device,
         "describe": runtime.strategy.describe(),
     }
 
@@ -81,10 +80,11 @@ def loader(setup: Setup, vocab_size: int, cuda: bool) -> torch.utils.data.DataLo
 
 def run_hydraspeed(row: dict[str, Any], setup: Setup) -> dict[str, Any]:
     """Engine.fit, the framework's API, with log_freq past the run (no logging point inside)."""
+    from benchmarks.common import start_job
     from framework import Callback, Engine
-    from framework.process import context as dev
 
-    model = llama(setup, dev.device())
+    job = start_job()
+    model = llama(setup, job.device)
     fpt, params = flops_per_token(model, setup.seq), count_params(model)
     clock = Clock(setup)
 
@@ -97,7 +97,7 @@ def run_hydraspeed(row: dict[str, Any], setup: Setup) -> dict[str, Any]:
                 clock.step()
 
     optimizer = functools.partial(torch.optim.AdamW, lr=setup.lr)
-    engine = Engine(model, "model", optimizer, strategy=strategy_of(row), callbacks=[Tick()])
+    engine = Engine(model, "model", optimizer, strategy=strategy_of(row), callbacks=[Tick()], process=job)
     data = TokenData(setup, model.config.vocab_size)
     engine.fit(data, batch_size=setup.micro_batch, max_steps=setup.run_steps, log_freq=10**9, progress=False)
     config = engine.runtime.config
@@ -204,7 +204,7 @@ RUNNERS = {
 
 def run_row(row: dict[str, Any], setup: Setup) -> dict[str, Any]:
     """One row: its measurements, or why it has none (a missing package, an error)."""
-    from framework.process import context as dev
+    from benchmarks.common import end_job
 
     try:
         result = {"status": "ok", **RUNNERS[row["framework"]](row, setup)}
@@ -218,7 +218,7 @@ def run_row(row: dict[str, Any], setup: Setup) -> dict[str, Any]:
         }
     if row["compile"]:  # --smoke turns torch.compile off (TORCH_COMPILE_DISABLE) to stay fast
         result["compiled"] = os.environ.get("TORCH_COMPILE_DISABLE", "0") in ("", "0")
-    dev.destroy_process_group(sync=False)
+    end_job()
     gc.collect()
     if torch.cuda.is_available():
         result["gpu"] = torch.cuda.get_device_name(0)
@@ -229,9 +229,9 @@ def run_row(row: dict[str, Any], setup: Setup) -> dict[str, Any]:
 
 def main(argv: list[str]) -> None:
     """Run the rows given on the command line, one JSON line each."""
-    from framework.process import context as dev
+    from benchmarks.common import quiet
 
-    dev.quiet_deepspeed()
+    quiet()
     setup = Setup(**json.loads(argv[0]))
     for row in json.loads(argv[1]):
         print(MARK + json.dumps(run_row(row, setup), default=str), flush=True)

@@ -94,9 +94,9 @@ def _falling(losses: list[float]) -> bool:
 
 
 def _teardown() -> None:
-    from framework.process import context as device
+    from benchmarks.common import end_job
 
-    device.destroy_process_group()
+    end_job()
 
 
 # ------------------------------------------------------------------------------------------ checks
@@ -108,7 +108,6 @@ def check_placement(cuda: bool, steps: int) -> dict[str, Any]:
     from deepspeed.accelerator import get_accelerator
 
     from framework.data.datasets import digits
-    from framework.process import context as device
 
     engine = _engine(metrics=torchmetrics.classification.MulticlassAccuracy(num_classes=10))
     loader = engine.dataloader(digits()[0], batch_size=64, mode="train")
@@ -116,7 +115,7 @@ def check_placement(cuda: bool, steps: int) -> dict[str, Any]:
     engine.run(batch, mode="train")
     want = "cuda" if cuda else "cpu"
     found = {
-        "backend": device.backend(),
+        "backend": engine.process.backend,
         "accelerator": get_accelerator().device_name(),
         "model": str(next(engine.module.parameters()).device),
         "batch": str(batch[0].device),
@@ -430,9 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available() and not args.smoke
     if not cuda:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    from framework.process import context as device
-
-    device.select_accelerator("cuda" if cuda else "cpu")
+    os.environ["DS_ACCELERATOR"] = "cuda" if cuda else "cpu"  # what every check's engine chooses
     steps = 20 if cuda else 6
     out_dir = _out_dir(args.out_dir, args.smoke)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -79,12 +79,10 @@ def copy_overlap(events: list[dict[str, Any]]) -> dict[str, Any]:
 def _profile(size: dict[str, int], steps: int) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
-    from framework.process import context as device
-
     engine = _engine(size, prefetch=2, callbacks=[])
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         _fit(engine, size, steps)
-    device.destroy_process_group()
+    engine.close()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         events = json.load(open(f.name))["traceEvents"]
@@ -95,15 +93,15 @@ def check_overlap(cuda: bool, steps: int) -> dict[str, Any]:
     """Batch copies on a side stream, overlapping kernels (profiler, a ~100 M GPT), and prefetch 2
     no slower than prefetch 0 per step."""
     from benchmarks.common import StepTimes, median
-    from framework.process import context as device
 
     size = GPU_SIZE if cuda else CPU_SIZE
     times = {}
     for depth in (0, 2):
         timer = StepTimes()
-        _fit(_engine(size, depth, [timer]), size, steps + 3)
+        engine = _engine(size, depth, [timer])
+        _fit(engine, size, steps + 3)
         times[depth] = median(timer.times)
-        device.destroy_process_group()
+        engine.close()
     detail: dict[str, Any] = {"step_ms": {k: round(v * 1000, 2) for k, v in times.items()}}
     if not cuda:  # nothing to copy on the CPU: the loop ran, the timing says nothing about overlap
         return {"ok": True, "skipped": True, "detail": detail}

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import median, parse_args, print_table, quiet, write
+from benchmarks.common import median, parse_args, print_table, quiet, start_job, write
 
 MODELS = {
     "mlp30m": ("framework.models.MLP", {"in_features": 256, "hidden": [4096, 4096, 3072], "num_classes": 10}),
@@ -60,14 +60,13 @@ def worker(kind: str, stage: int, offload: bool, model_name: str, steps: int, ba
     from framework.backend.runtime import Runtime
     from framework.models import LMLoss
     from framework.plan.cost import live_tensor_bytes, model_state_bytes, param_counts
-    from framework.process import context as device
 
     quiet()
-    device.init_process_group()
+    job = start_job()
     baseline = _rss()
     _, before = live_tensor_bytes()
     target, kwargs = MODELS[model_name]
-    world = device.world_size()
+    world = job.world_size
     strategy = Strategy(sharding={"stage": stage, "offload_optimizer": offload, "offload_params": offload})
     loss_fn = LMLoss() if model_name.startswith("gpt") else torch.nn.CrossEntropyLoss()
     torch.manual_seed(0)
@@ -76,7 +75,7 @@ def worker(kind: str, stage: int, offload: bool, model_name: str, steps: int, ba
 
         from framework.cli.construct import build_model
 
-        runtime = Runtime(strategy)
+        runtime = Runtime(strategy, job)
         strategy = runtime.strategy  # without an accelerator, offload is dropped
         runtime.fix_layout(batch)
         model = build_model(OmegaConf.create({"_target_": target, **kwargs}), runtime)
@@ -90,7 +89,7 @@ def worker(kind: str, stage: int, offload: bool, model_name: str, steps: int, ba
         ds, _, _, _ = deepspeed.initialize(
             model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-4), config=config
         )
-    x, y = (t.to(device.device()) for t in _batch(model_name, batch // world))
+    x, y = (t.to(job.device) for t in _batch(model_name, batch // world))
     times, state_bytes = [], 0
     for i in range(steps):
         start = time.perf_counter()
@@ -101,14 +100,14 @@ def worker(kind: str, stage: int, offload: bool, model_name: str, steps: int, ba
         ds.step()
         times.append(time.perf_counter() - start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    cuda = torch.cuda.is_available() and device.device().type == "cuda"
+    cuda = job.device.type == "cuda"
     device_peak = {
         "cuda_peak_allocated_MB": torch.cuda.max_memory_allocated() / 2**20 if cuda else float("nan"),
         "cuda_peak_reserved_MB": torch.cuda.max_memory_reserved() / 2**20 if cuda else float("nan"),
     }
     numel, largest = param_counts(model)
     formula = model_state_bytes(strategy, numel, largest, world, 8)["total_bytes"]
-    device.destroy_process_group()
+    job.close()
     return {
         "model": model_name,
         "setup": f"{kind} ZeRO-{stage}{' + offload' if offload else ''}"

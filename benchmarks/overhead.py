@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import StepTimes, median, parse_args, print_table, quiet, write
+from benchmarks.common import StepTimes, median, parse_args, print_table, quiet, start_job, write
 
 
 def worker(stage: int, steps: int, rounds: int, hidden: int, batch: int) -> dict[str, Any]:
@@ -29,16 +29,15 @@ def worker(stage: int, steps: int, rounds: int, hidden: int, batch: int) -> dict
     from framework.models import MLP
     from framework.plan.cost import param_counts
     from framework.plan.run_plan import batch_layout
-    from framework.process import context as device
     from framework.process.allocator import tune_host_allocator
 
     quiet()
-    device.init_process_group()
+    job = start_job()
     # both loops under the allocator thresholds the framework sets (process-wide, so otherwise the
     # raw loop's first round would run with glibc's defaults and the rest with the framework's)
     tune_host_allocator(sharded=stage > 0)
     strategy = Strategy(sharding={"stage": stage})
-    world = device.world_size()
+    world = job.world_size
     layout = batch_layout(strategy, batch, world)
     g = torch.Generator().manual_seed(0)
     n = batch * (steps + 1) * rounds * 2
@@ -54,10 +53,15 @@ def worker(stage: int, steps: int, rounds: int, hidden: int, batch: int) -> dict
     raw, _, _, _ = deepspeed.initialize(
         model=model_a, optimizer=torch.optim.AdamW(model_a.parameters(), lr=1e-3), config=config
     )
-    loader = train_loader(data, layout.micro_batch_size, world, device.rank(), seed=0)
+    loader = train_loader(data, layout.micro_batch_size, world, job.rank, seed=0)
     timer = StepTimes()
     engine = Engine(
-        model_b, loss_fn, functools.partial(torch.optim.AdamW, lr=1e-3), strategy=strategy, callbacks=[timer]
+        model_b,
+        loss_fn,
+        functools.partial(torch.optim.AdamW, lr=1e-3),
+        strategy=strategy,
+        callbacks=[timer],
+        process=job,
     )
     raw_times: list[float] = []
     batches = iter(loader)
@@ -79,7 +83,7 @@ def worker(stage: int, steps: int, rounds: int, hidden: int, batch: int) -> dict
             last = now
         target = engine.state.global_step + steps + 1  # B: Engine.fit for as many steps
         engine.fit(data, epochs=10**6, batch_size=batch, max_steps=target, log_freq=10**9, progress=False)
-    device.destroy_process_group()
+    job.close()
     return {"raw": raw_times, "fit": timer.times}
 
 

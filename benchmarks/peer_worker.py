@@ -48,7 +48,6 @@ def run_hydraspeed(name: str, steps: int) -> None:
     import torch
 
     from framework import Callback, Engine
-    from framework.process import context as device
 
     model, loss, data, batch = task(name)
     stamps: list[float] = []
@@ -59,7 +58,7 @@ def run_hydraspeed(name: str, steps: int) -> None:
 
     engine = Engine(model, loss, functools.partial(torch.optim.AdamW, lr=1e-3), callbacks=[Stamp()])
     engine.fit(data, epochs=1, batch_size=batch, max_steps=steps, log_freq=10**9, progress=False)
-    device.destroy_process_group()
+    engine.close()
     report(stamps[0], stamps, batch)
 
 

@@ -20,11 +20,9 @@ def worker(stages: int, micro_batches: int, micro: int, steps: int, n_layer: int
     """Train the GPT for `steps` steps; per-step times (rank 0)."""
     from framework import Engine, Strategy
     from framework.models import GPT, LMLoss
-    from framework.process import context as device
 
     quiet()
     torch.set_num_threads(1)  # one core per stage, and the 1-stage run on one core too
-    device.init_process_group()
     if stages > 1:
         strategy = Strategy(pipeline={"stages": stages, "accumulate_steps": micro_batches})
     else:
@@ -42,7 +40,7 @@ def worker(stages: int, micro_batches: int, micro: int, steps: int, n_layer: int
     engine.fit(
         data, epochs=1, batch_size=micro * micro_batches, max_steps=steps, log_freq=10**9, progress=False
     )
-    device.destroy_process_group()
+    engine.close()
     return timer.times
 
 

@@ -49,7 +49,6 @@ def _fit(data: Any, collate: Any, c: float) -> list[float]:
     from framework import Engine
     from framework.engine.steps import default_train_step
     from framework.models import MLP
-    from framework.process import context as device
 
     def step(engine: Engine, batch: Any) -> torch.Tensor:
         time.sleep(c)
@@ -63,7 +62,7 @@ def _fit(data: Any, collate: Any, c: float) -> list[float]:
     engine.fit(
         data, epochs=1, batch_size=16, collate_fn=collate, shuffle=False, log_freq=10**9, progress=False
     )
-    device.destroy_process_group()
+    engine.close()
     return timer.times
 
 

@@ -15,7 +15,6 @@ from torch.utils.data import DataLoader
 from framework import Strategy, shard_dataloader, to_static
 from framework.data.datasets import digits
 from framework.models import MLP
-from framework.process import context as device
 
 
 def main() -> None:
@@ -46,7 +45,7 @@ def main() -> None:
     dm.train()
     for step, (x, y) in enumerate(train_loader):
         loss = dm(x, y)
-        if step % 50 == 0 and device.is_main_process():
+        if step % 50 == 0 and dm.engine.process.is_main:
             print(f"step {step} loss {float(loss):.4f}")
 
     dm.eval()
@@ -60,12 +59,12 @@ def main() -> None:
     dm.predict()
     x, _ = next(iter(valid_loader))
     assert dm(x).shape == (x.shape[0], 10)
-    if device.is_main_process():
+    if dm.engine.process.is_main:
         print(f"validation accuracy {result['val_accuracy']:.4f}")
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(result, f)
-    device.destroy_process_group()
+    dm.engine.close()  # the process group goes (also at exit, when a script does not say so)
 
 
 if __name__ == "__main__":

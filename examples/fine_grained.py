@@ -14,7 +14,6 @@ import torchmetrics
 from framework import Engine, Strategy
 from framework.data.datasets import digits
 from framework.models import MLP
-from framework.process import context as device
 
 
 def main() -> None:
@@ -40,7 +39,7 @@ def main() -> None:
     engine.prepare(mode="train")
     for step, batch in enumerate(loader):
         logs = engine.run(batch, mode="train", fetch_list=["lr"])
-        if step % 50 == 0 and device.is_main_process():
+        if step % 50 == 0 and engine.process.is_main:
             print(f"step {step} loss {logs['loss']:.4f} lr {logs['fetches']['lr']:.2e}")
 
     valid_loader = engine.dataloader(valid, batch_size=args.batch_size, mode="eval")
@@ -50,12 +49,12 @@ def main() -> None:
         "val_accuracy": losses[-1]["accuracy"],
         "steps": engine.runtime.global_steps,
     }
-    if device.is_main_process():
+    if engine.process.is_main:
         print(f"validation accuracy {result['val_accuracy']:.4f}")
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(result, f)
-    device.destroy_process_group()
+    engine.close()  # the process group goes (also at exit, when a script does not say so)
 
 
 if __name__ == "__main__":

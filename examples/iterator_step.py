@@ -25,7 +25,6 @@ from framework import Engine, Strategy
 from framework.data.datasets import digits
 from framework.data.datasets.chars import VOCAB_SIZE, encode, stdlib_text
 from framework.models import MLP
-from framework.process import context as device
 
 
 def two_batch_step(engine: Engine, dataloader_iter: Iterator[Any]) -> torch.Tensor:
@@ -120,12 +119,12 @@ def main() -> None:
         )  # fmt: skip
         history = engine.fit(train, valid, epochs=args.epochs, batch_size=64, max_steps=args.max_steps)
     else:
-        streams = 16 * device.world_size()
         ids = encode(stdlib_text(200_000))
         engine = Engine(
             CharGRU(), nn.CrossEntropyLoss(), functools.partial(torch.optim.AdamW, lr=3e-3),
             strategy=strategy, train_step=tbptt_step,
         )  # fmt: skip
+        streams = 16 * engine.dp_size  # each data-parallel rank carries 16 streams
         # In order (shuffle=False): consecutive batches continue the same streams.
         history = engine.fit(
             StreamChunks(ids, 32, streams), epochs=args.epochs, batch_size=streams, shuffle=False,
@@ -138,12 +137,12 @@ def main() -> None:
         "batches_fetched": st.batches_fetched,
         "loss": history["loss"],
     }
-    if device.is_main_process():
+    if engine.process.is_main:
         print(json.dumps(result))
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(result, f)
-    device.destroy_process_group()
+    engine.close()
 
 
 if __name__ == "__main__":

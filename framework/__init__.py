@@ -1,18 +1,17 @@
 """hydraspeed: PyTorch training composed from Hydra configs and executed by DeepSpeed.
 
-Public API::
+The public API::
 
-    from framework import Engine, Strategy, to_static, shard_dataloader
+    from framework import Engine, Strategy, FitConfig, to_static, shard_dataloader, DistModel
+    from framework import Callback, Event, Control, LoopState, ProcessContext
+
+Importing the framework changes no environment variable and imports neither DeepSpeed nor
+Hydra; a run's process context is made when it starts (`ProcessContext.start`).
 """
 
-from framework.process import context as _device
-
-_device.configure_environment()  # before DeepSpeed picks its accelerator
-
-from framework.engine.dist_model import DistModel, shard_dataloader, to_static  # noqa: E402
-from framework.engine.engine import Engine  # noqa: E402
-from framework.errors import CheckpointError, ConfigError, NonFiniteLoss  # noqa: E402
-from framework.observe.callbacks import (  # noqa: E402
+from framework.engine import DistModel, Engine, FitConfig, shard_dataloader, to_static
+from framework.errors import CheckpointError, ConfigError, NonFiniteLoss
+from framework.observe.callbacks import (
     Callback,
     Control,
     EarlyStopping,
@@ -20,8 +19,9 @@ from framework.observe.callbacks import (  # noqa: E402
     KeepBest,
     LearningRateMonitor,
 )
-from framework.observe.state import LoopState, TrainState  # noqa: E402
-from framework.plan.strategy import Strategy  # noqa: E402
+from framework.observe.state import LoopState, TrainState
+from framework.plan.strategy import Strategy
+from framework.process.context import ProcessContext
 
 __all__ = [
     "Callback",
@@ -32,10 +32,12 @@ __all__ = [
     "EarlyStopping",
     "Engine",
     "Event",
+    "FitConfig",
     "KeepBest",
     "LearningRateMonitor",
     "LoopState",
     "NonFiniteLoss",
+    "ProcessContext",
     "Strategy",
     "TrainState",
     "shard_dataloader",

@@ -105,6 +105,30 @@ def final_metrics(run_dir: Path) -> dict:
     return json.loads((run_dir / "final_metrics.json").read_text())
 
 
+def end_group() -> None:
+    """End this test process's default process group, whichever context made it, with
+    DeepSpeed's cached groups (a test that builds several engines wants each on a fresh group)."""
+    import torch.distributed as dist
+
+    from framework.backend import deepspeed_globals
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    deepspeed_globals.forget_groups()
+
+
+@pytest.fixture(autouse=True)
+def _one_group_per_test():
+    """Every in-process test starts without a process group and leaves none behind, with the
+    environment it found (a context's rendezvous variables, LOCAL_SIZE, DS_ACCELERATOR)."""
+    before = dict(os.environ)
+    yield
+    end_group()
+    for key in set(os.environ) - set(before):
+        del os.environ[key]
+    os.environ.update(before)
+
+
 @pytest.fixture
 def compose():
     """Compose conf/train.yaml with overrides (normalised like the CLI), as Hydra would for train.py."""

@@ -1,10 +1,67 @@
-"""DeepSpeed's process-wide state, kept in step with the framework's (`framework.process.context` calls
-these): which accelerator it computes on, and the process groups it caches in module globals."""
+"""DeepSpeed's process-wide state, kept in step with the framework's `ProcessContext`: which
+accelerator it computes on, its communication backend on the context's process group, the
+process groups it caches in module globals (forgotten when the context closes), and its logging."""
 
 from __future__ import annotations
 
 import contextlib
+import datetime
+import io
+import logging
+import os
 import sys
+import warnings
+from typing import Any
+
+
+def join(ctx: Any) -> None:
+    """Make DeepSpeed use the context's accelerator and process group (`ctx`: a started
+    `framework.process.context.ProcessContext`); its cached groups go when the context closes."""
+    use_accelerator(ctx.accelerator)
+    import deepspeed
+    import deepspeed.ops
+
+    quiet_logging()  # DeepSpeed's logger comes back at INFO when it is first imported
+    # The shared-memory comm op is only used by AutoTP inference; marking it incompatible avoids a
+    # ~45 s JIT build. Setting the table directly also skips DeepSpeed's probe of every op
+    # (compiler subprocesses on first access); the comm backend is its only reader.
+    vars(deepspeed.ops).setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
+    with contextlib.redirect_stdout(io.StringIO()):  # adopts the torch group the context made
+        deepspeed.init_distributed(
+            dist_backend=ctx.backend,
+            auto_mpi_discovery=False,
+            verbose=False,
+            timeout=datetime.timedelta(seconds=ctx.timeout_s),
+        )
+    ctx.on_close(forget_groups)
+
+
+def quiet(verbose: bool = False, accelerator: str | None = None) -> None:
+    """Hide DeepSpeed's INFO/WARNING chatter and torch.distributed's per-step deprecation warnings
+    (nothing when `verbose`). DeepSpeed is imported to set its logger, on `accelerator` when given
+    (it fixes one when first imported, and says so at INFO)."""
+    if verbose:
+        return
+    for name in ("DeepSpeed", "deepspeed", "torch.distributed", "torch.distributed.elastic"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    if accelerator is not None:
+        use_accelerator(accelerator)
+    quiet_logging()
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed.*")
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed.*")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"deepspeed.*")
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"deepspeed.*")
+    warnings.filterwarnings("ignore", message=".*set_vital.*")
+    # DeepSpeed's pipeline broadcasts tied weights through autograd; torch warns on every backward.
+    warnings.filterwarnings("ignore", message=".*autograd kernel was not registered.*")
+
+
+def quiet_logging() -> None:
+    """DeepSpeed's own logger at ERROR."""
+    with contextlib.suppress(Exception):
+        from deepspeed.utils import set_log_level_from_string
+
+        set_log_level_from_string("error")
 
 
 def use_accelerator(choice: str) -> None:
@@ -13,8 +70,9 @@ def use_accelerator(choice: str) -> None:
     DeepSpeed fixes its accelerator when it is first imported (from DS_ACCELERATOR, else CUDA when
     torch sees a GPU), and a run may import it (to quiet its logging) before it decides: on a GPU
     machine `trainer.accelerator=cpu` then put the weights on cuda:0 and the batches on the CPU.
-    Not imported yet, it reads DS_ACCELERATOR, which the caller sets."""
+    Not imported yet, it reads DS_ACCELERATOR when it is, which is set here."""
     if "deepspeed" not in sys.modules:
+        os.environ["DS_ACCELERATOR"] = choice
         return
     from deepspeed.accelerator import get_accelerator, set_accelerator
 

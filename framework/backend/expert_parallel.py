@@ -29,7 +29,6 @@ from torch import nn
 from framework.errors import ConfigError
 from framework.integrations import hf
 from framework.plan.strategy import Strategy
-from framework.process import context as dev
 
 # The transformers releases AutoEP (DeepSpeed 0.19) runs with, found by running it: 5.0 brought
 # the fused expert tensors its presets read (Mixtral, Qwen3-MoE, DeepSeek; a few presets need
@@ -83,13 +82,13 @@ def is_expert_param(param: torch.Tensor) -> bool:
     return getattr(param, "allreduce", True) is False and hasattr(param, "group_name")
 
 
-def expert_grad_squares(params: Sequence[nn.Parameter]) -> torch.Tensor:
+def expert_grad_squares(params: Sequence[nn.Parameter], device: torch.device) -> torch.Tensor:
     """The squared L2 norm of the gradients of the experts among `params`, summed over the ranks
-    that hold the other experts. Collective over each expert-parallel group."""
+    that hold the other experts. Collective over each expert-parallel group (on `device`)."""
     import torch.distributed as dist
     from deepspeed.utils import groups
 
-    total = torch.zeros((), device=dev.collective_device())
+    total = torch.zeros((), device=device)
     by_group: dict[str, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None and is_expert_param(p):

@@ -16,7 +16,6 @@ from framework.errors import ConfigError
 from framework.integrations.hf import is_hf_model
 from framework.plan.run_plan import Mesh
 from framework.plan.strategy import Strategy
-from framework.process import context as dev
 
 # Where a model states its head and expert counts: Hugging Face config names, then ours.
 _HEADS = ("num_attention_heads", "n_head", "num_heads")
@@ -102,12 +101,12 @@ def process_groups(mesh: Mesh, module: nn.Module | None = None) -> object | None
     return groups
 
 
-def grad_norm(params: list[nn.Parameter], mesh: Mesh) -> torch.Tensor | None:
+def grad_norm(params: list[nn.Parameter], mesh: Mesh, device: torch.device) -> torch.Tensor | None:
     """The global L2 norm of `params`' gradients on a rank whose data-parallel gradients are
     already reduced (ZeRO-0): a tensor-parallel layer's shards are summed over its ranks, a
     weight every such rank holds whole counts once (DeepSpeed's rule for model-parallel norms);
-    experts split over ranks count on each. Collective over the tensor- and expert-parallel ranks.
-    Stays a tensor: no device sync."""
+    experts split over ranks count on each. Collective over the tensor- and expert-parallel ranks
+    (their tensors on `device`, this rank's). Stays a tensor: no device sync."""
     split, experts = mesh.tp_size > 1, mesh.ep_size > 1
     grads = [
         p.grad.detach().float()
@@ -122,8 +121,8 @@ def grad_norm(params: list[nn.Parameter], mesh: Mesh) -> torch.Tensor | None:
     if split:
         from deepspeed.utils import groups
 
-        squares = squares.to(dev.collective_device())
+        squares = squares.to(device)
         torch.distributed.all_reduce(squares, group=groups.get_tensor_model_parallel_group())
     if experts:  # each rank's experts are others: their squares are summed over the expert ranks
-        squares = squares + expert_parallel.expert_grad_squares(params).to(squares.device)
+        squares = squares + expert_parallel.expert_grad_squares(params, device).to(squares.device)
     return squares.sqrt()

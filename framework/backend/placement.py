@@ -11,16 +11,17 @@ from typing import Any
 import torch
 
 from framework.plan.strategy import Strategy
-from framework.process import context as dev
+from framework.process.context import ProcessContext
+from framework.process.environment import env_rank
 
 
-def for_this_machine(strategy: Strategy) -> Strategy:
-    """`strategy` as it will run here: without an accelerator, offload is dropped (see
-    `Strategy.for_host_only`) and rank 0 says so in one line."""
-    if dev.cuda_available():
+def for_this_machine(strategy: Strategy, cuda: bool) -> Strategy:
+    """`strategy` as it will run here (`cuda`: on GPUs): without an accelerator, offload is
+    dropped (see `Strategy.for_host_only`) and rank 0 says so in one line."""
+    if cuda:
         return strategy
     host = strategy.for_host_only()
-    if host is not strategy and dev.is_main_process():
+    if host is not strategy and env_rank() == 0:
         print(
             "strategy: no accelerator, so offload has nowhere to move states to; "
             f"running {host.describe()} (states stay in host memory)",
@@ -29,7 +30,7 @@ def for_this_machine(strategy: Strategy) -> Strategy:
     return host
 
 
-def offload_optimizer(strategy: Strategy, optimizer: Any) -> Any:
+def offload_optimizer(strategy: Strategy, optimizer: Any, process: ProcessContext) -> Any:
     """Under optimizer offload on a GPU machine, a torch Adam/AdamW factory becomes DeepSpeed's CPU
     Adam (vectorised; torch's steps the offloaded fp32 states several times slower) when it can
     be built (ninja and a C++ compiler); otherwise the torch optimizer stays, said in one line."""
@@ -39,13 +40,13 @@ def offload_optimizer(strategy: Strategy, optimizer: Any) -> Any:
     target = optimizer.func if isinstance(optimizer, functools.partial) else None
     if not (
         strategy.sharding.offload_optimizer
-        and dev.cuda_available()
+        and process.cuda
         and target in (torch.optim.Adam, torch.optim.AdamW)
     ):
         return optimizer
     problem = _cpu_adam_problem() if shutil.which("ninja") else "ninja is not installed"
     if problem:
-        if dev.is_main_process():
+        if process.is_main:
             print(
                 f"offload: DeepSpeed's CPU Adam cannot be built here ({problem}); the offloaded "
                 f"optimizer steps with torch's {target.__name__} on the CPU, which is slower",

@@ -26,7 +26,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from framework.errors import ConfigError
-from framework.process import context as dev
 
 
 def _recomputed_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -83,8 +82,9 @@ def recompute_units(model: nn.Module) -> list[nn.Module]:
     return [block for module in model.modules() if isinstance(module, nn.ModuleList) for block in module]
 
 
-def enable(model: nn.Module) -> list[nn.Module]:
-    """Make every unit of `model` recompute its activations in backward; returns the units."""
+def enable(model: nn.Module, say: bool = True) -> list[nn.Module]:
+    """Make every unit of `model` recompute its activations in backward; returns the units
+    (`say`: print what changed in the model's config; rank 0 does)."""
     units = recompute_units(model)
     if not units:
         raise ConfigError(
@@ -94,11 +94,11 @@ def enable(model: nn.Module) -> list[nn.Module]:
     for unit in units:
         if not getattr(unit, "_recomputed", False):
             unit.__class__ = _recomputed_class(type(unit))
-    _cache_off(model)
+    _cache_off(model, say)
     return units
 
 
-def _cache_off(model: nn.Module) -> None:
+def _cache_off(model: nn.Module, say: bool) -> None:
     """`use_cache=False` in the config of every sub-model that has one set (see the module doc)."""
     turned_off = []
     for module in model.modules():
@@ -106,7 +106,7 @@ def _cache_off(model: nn.Module) -> None:
         if getattr(config, "use_cache", False) is True:
             config.use_cache = False
             turned_off.append(type(module).__name__)
-    if turned_off and dev.is_main_process():
+    if turned_off and say:
         print(
             f"recompute: use_cache turned off for {turned_off[0]} (a key/value cache is not kept under "
             "activation recomputation, as in transformers' gradient checkpointing)",

@@ -1,11 +1,10 @@
-"""The DeepSpeed runtime of one Engine: the one owner of the DeepSpeed engine and of the batch layout.
+"""The DeepSpeed runtime of one Engine: the one owner of the DeepSpeed engine (its topology: the
+process context, the mesh and the batch layout, in `framework.backend.topology`).
 
-It joins the process group, gives `deepspeed.zero.Init` for partitioned construction, calls
+It gives `deepspeed.zero.Init` for partitioned construction, calls
 `deepspeed.initialize` (the ZeRO or pipeline engine), and does everything that touches DeepSpeed's
 engine afterwards (forward, backward, step, boundaries, lr / grad norm / loss scale, pipeline
-batches, state dicts). Nothing outside this module holds DeepSpeed's engine. The batch layout
-(global = micro x accumulation x data-parallel ranks) is fixed by the first training call that
-names a global batch; evaluation and prediction only split their batch over data-parallel ranks.
+batches, state dicts). Nothing outside this module holds DeepSpeed's engine.
 """
 
 from __future__ import annotations
@@ -19,30 +18,27 @@ from typing import Any
 import torch
 from torch import nn
 
-from framework.backend import expert_parallel, parallel, weights, zero3_trace
+from framework.backend import deepspeed_globals, expert_parallel, parallel, weights, zero3_trace
 from framework.backend import pipeline as pipeline_lib
 from framework.backend import recompute as recompute_lib
 from framework.backend.ds_config import deepspeed_config, zero_init_config
-from framework.backend.placement import for_this_machine, offload_optimizer
+from framework.backend.placement import offload_optimizer
+from framework.backend.topology import Topology
 from framework.data.transfer import Copier
 from framework.errors import ConfigError
 from framework.plan.cost import largest_block, param_counts
-from framework.plan.run_plan import BatchLayout, Mesh, batch_layout, mesh_of, scheduler_for
+from framework.plan.run_plan import scheduler_for
 from framework.plan.strategy import Strategy, compute_dtype_name
-from framework.process import context as dev
 from framework.process import watchdog
-from framework.process.allocator import tune_host_allocator
+from framework.process.context import ProcessContext
 
 
-class Runtime:
-    """DeepSpeed for one model under one `Strategy` (see the module doc)."""
+class Runtime(Topology):
+    """DeepSpeed for one model under one `Strategy` (see the module doc); where it runs and how
+    its batch splits come from `Topology`."""
 
-    def __init__(self, strategy: Strategy):
-        self.strategy = for_this_machine(strategy)
-        # Before the model is built (ZeRO 1/2 copy its weights into flat buffers and free them).
-        tune_host_allocator(dev.cuda_available(), sharded=self.strategy.sharding.stage >= 1)
-        self.layout: BatchLayout | None = None
-        self._provisional = False  # the layout was made up to build DeepSpeed before any training call
+    def __init__(self, strategy: Strategy, process: ProcessContext | None = None):
+        super().__init__(strategy, process)
         self.config: dict[str, Any] | None = None  # the dict DeepSpeed received
         self.deepspeed_engine: Any = None
         self.module: nn.Module | None = None  # the user's model
@@ -55,62 +51,6 @@ class Runtime:
         self._open_backward = False  # `backward` ran since the last `step`
         self.timer: Any = None  # a throughput.PhaseTimer while a fit measures its steps
 
-    # ------------------------------------------------------------------ topology
-    def start(self) -> None:
-        """Join (or create) the process group; on a CPU, glibc's thresholds for this ZeRO stage
-        (`framework.process.allocator`; a Hydra sweep's next job may use another stage)."""
-        dev.init_process_group()
-        tune_host_allocator(dev.cuda_available(), sharded=self.strategy.sharding.stage >= 1)
-
-    @property
-    def world_size(self) -> int:
-        """Processes in the job."""
-        return dev.world_size()
-
-    @property
-    def mesh(self) -> Mesh:
-        """The job's ranks under this strategy (`framework.plan.mesh_of`)."""
-        return mesh_of(self.strategy, self.world_size, dev.rank())
-
-    @property
-    def dp_size(self) -> int:
-        """Data-parallel degree: processes / pipeline stages."""
-        return self.mesh.dp_size
-
-    @property
-    def dp_rank(self) -> int:
-        """This rank's index among the data-parallel replicas."""
-        return self.mesh.dp_rank
-
-    # ------------------------------------------------------------------ the batch layout
-    def fix_layout(self, global_batch_size: int) -> BatchLayout:
-        """The training layout for this global batch; the first call fixes it for good."""
-        if self.layout is not None and not self._provisional:
-            if global_batch_size != self.layout.global_batch_size:
-                raise ConfigError(
-                    f"this engine trains with a global batch of {self.layout.global_batch_size} (fixed by its "
-                    f"first training call), not {global_batch_size}: keep the batch size, or use a new Engine"
-                )
-            return self.layout
-        self.layout = batch_layout(self.strategy, global_batch_size, self.world_size)
-        self._provisional = False
-        return self.layout
-
-    layout_fixed = property(
-        lambda self: self.layout is not None and not self._provisional, doc="A training call fixed it."
-    )
-
-    def layout_for_init(self) -> BatchLayout:
-        """The layout to build DeepSpeed's configs with now (the fixed one, or a provisional one)."""
-        if self.layout is None:
-            smallest = self.dp_size * self.strategy.accumulation_steps
-            self.layout, self._provisional = batch_layout(self.strategy, smallest, self.world_size), True
-        return self.layout
-
-    def pipeline_eval_layout(self, global_batch_size: int) -> BatchLayout:
-        """A pipeline's evaluation batch: as many micro-batches as training, each rank its share."""
-        return batch_layout(self.strategy, global_batch_size, self.world_size)
-
     # ------------------------------------------------------------------ building
     def init_context(self) -> contextlib.AbstractContextManager:
         """Context to construct a model in: `deepspeed.zero.Init` under ZeRO-3 (parameters are born
@@ -121,7 +61,7 @@ class Runtime:
 
         self.start()
         return deepspeed.zero.Init(
-            config_dict_or_path=zero_init_config(self.strategy, self.layout_for_init(), dev.cuda_available())
+            config_dict_or_path=zero_init_config(self.strategy, self.layout_for_init(), self.cuda)
         )
 
     @property
@@ -131,7 +71,7 @@ class Runtime:
 
     def deepspeed_config_for(self, module: nn.Module) -> dict[str, Any]:
         """The config `initialize` gives DeepSpeed for `module` (what `+dry_run=true` prints)."""
-        sizes = (*param_counts(module), self.load_universal, dev.cuda_available(), largest_block(module))
+        sizes = (*param_counts(module), self.load_universal, self.cuda, largest_block(module))
         plan = parallel.tp_plan_of(self.strategy, module)
         return deepspeed_config(self.strategy, self.layout_for_init(), *sizes, tp_plan=plan)
 
@@ -143,15 +83,15 @@ class Runtime:
         evaluation or loading must not freeze it."""
         import deepspeed
 
-        self.start()
-        dev.quiet_deepspeed()
+        process = self.start()
+        deepspeed_globals.quiet()
         parallel.check_model(self.strategy, self.mesh, module)
         self.module, self.parameters = module, param_counts(module)[0]
         self.config = self.deepspeed_config_for(module)
-        optimizer = offload_optimizer(self.strategy, optimizer)
+        optimizer = offload_optimizer(self.strategy, optimizer, process)
         optimizer = expert_parallel.optimizer_with_expert_groups(self.strategy, optimizer)
         if self.strategy.recompute.enable and not self.strategy.uses_pipeline:
-            recompute_lib.enable(module)
+            recompute_lib.enable(module, say=process.is_main)
         if self.strategy.compile:
             module.compile()
         model: nn.Module = module
@@ -160,7 +100,7 @@ class Runtime:
                 raise ConfigError("pipeline parallelism needs a loss: the last stage computes it")
             model = pipeline_lib.build_pipeline_module(module, self.strategy, loss_fn)
         else:
-            module.to(dev.device())
+            module.to(process.device)
         trainable = [p for p in model.parameters() if p.requires_grad]
         if optimizer is not None and not trainable:
             raise ConfigError(
@@ -169,7 +109,7 @@ class Runtime:
             )
         with watchdog.suspended():  # a first run may JIT-build DeepSpeed's ops
             self.deepspeed_engine, _, _, _ = deepspeed.initialize(
-                args=types.SimpleNamespace(device_rank=dev.device_index()),  # the device we chose
+                args=types.SimpleNamespace(device_rank=process.device_index),  # the device we chose
                 model=model,
                 optimizer=optimizer,
                 model_parameters=trainable if optimizer is None or callable(optimizer) else None,
@@ -207,7 +147,7 @@ class Runtime:
         from pinned memory on a side stream (see `framework.data.transfer`)."""
         if self._copier is None:
             cast = self.compute_dtype if self.compute_dtype != torch.float32 else None
-            self._copier = Copier(dev.device(), cast)
+            self._copier = Copier(self.device, cast)
         return self._copier
 
     def transfer(self, batch: Any) -> Any:
@@ -284,7 +224,7 @@ class Runtime:
         if not self.grad_norm_wanted or self.deepspeed_engine.zero_optimization_stage() != 0:
             return
         assert self.module is not None
-        self._last_grad_norm = parallel.grad_norm(list(self.module.parameters()), self.mesh)
+        self._last_grad_norm = parallel.grad_norm(list(self.module.parameters()), self.mesh, self.device)
 
     def at_step_boundary(self) -> bool:
         """True between optimizer steps (no gradient accumulation half done): a safe point to checkpoint."""
@@ -387,7 +327,13 @@ class Runtime:
         pipe = self.deepspeed_engine.module if self.strategy.uses_pipeline and self.ready else None
         master = self.optimizer is not None
         return weights.consolidate(
-            self.module, self._is_zero3(), pipe, on_every_rank, master, weights.fp32_masters(self.optimizer)
+            self.module,
+            self._is_zero3(),
+            pipe,
+            on_every_rank,
+            master,
+            weights.fp32_masters(self.optimizer),
+            self._process,
         )
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -395,6 +341,6 @@ class Runtime:
         rank 0's are used) and refresh DeepSpeed's fp32 master copy so the next optimizer step
         starts from them."""
         assert self.module is not None
-        weights.load_whole(self.module, self._is_zero3(), state)
+        weights.load_whole(self.module, self._is_zero3(), state, self.mesh.rank)
         if hasattr(self.optimizer, "refresh_fp32_params"):
             self.optimizer.refresh_fp32_params()

@@ -21,8 +21,8 @@ from framework.backend import expert_parallel
 from framework.backend import pipeline as pipeline_lib
 from framework.errors import CheckpointError
 from framework.integrations.hf import is_hf_model
-from framework.process import context as dev
 from framework.process import watchdog
+from framework.process.context import ProcessContext
 
 
 def consolidate(
@@ -32,19 +32,22 @@ def consolidate(
     on_every_rank: bool = False,
     master: bool = False,
     masters: dict[int, torch.Tensor] | None = None,
+    process: ProcessContext | None = None,
 ) -> dict[str, torch.Tensor]:
     """`module`'s state dict as CPU tensors, on rank 0 ({} elsewhere unless `on_every_rank`).
     Collective. `pipe`: the pipeline module whose stages hold the weights. `master`: take each
     parameter from the optimizer's fp32 master copy where DeepSpeed keeps one (mixed precision,
     ZeRO >= 1), so an export under bf16 is not rounded to bf16; `masters` ({id(param): fp32
     tensor}) gives them where DeepSpeed offers no accessor (ZeRO-0 under mixed precision).
-    Experts split by expert parallelism come back whole, under the model's own names."""
+    Experts split by expert parallelism come back whole, under the model's own names. `process`:
+    the job's context (None: this process alone)."""
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param
 
-    keep = on_every_rank or dev.is_main_process()
+    keep = on_every_rank or process is None or process.is_main
     if pipe is not None:
-        parts = dev.all_gather_object(pipeline_lib.local_state_dict(pipe, module, master))
+        local = pipeline_lib.local_state_dict(pipe, module, master)
+        parts = process.all_gather_object(local) if process is not None else [local]
         return {k: v for part in parts for k, v in part.items()} if keep else {}
     entries = module.state_dict(keep_vars=True)  # parameter objects, not copies
     keys_of: dict[int, list[str]] = {}
@@ -117,11 +120,12 @@ def fp32_masters(optimizer: Any) -> dict[int, torch.Tensor]:
     return {id(p): m for lows, highs in zip(low, high) for p, m in zip(lows, highs) if p.shape == m.shape}
 
 
-def load_whole(module: nn.Module, zero3: bool, state: dict[str, Any]) -> None:
+def load_whole(module: nn.Module, zero3: bool, state: dict[str, Any], rank: int = 0) -> None:
     """Load complete weights into `module`. Under ZeRO-3 one module's parameters are gathered at
     a time (never the whole model on a rank) and rank 0's values are the ones used; a layer that
     tensor parallelism split is made whole, loaded on every rank and split again. Buffers are
-    loaded on every rank. Keys and whole shapes must match exactly, as `load_state_dict(strict=True)`."""
+    loaded on every rank. Keys and whole shapes must match exactly, as `load_state_dict(strict=True)`.
+    `rank`: this process's global rank."""
     import deepspeed
 
     expert_parallel.refuse_whole_weights(module)
@@ -146,7 +150,7 @@ def load_whole(module: nn.Module, zero3: bool, state: dict[str, Any]) -> None:
                 with _split_again(sub, own):
                     for p in own:
                         key = key_of.pop(id(p))
-                        if dev.rank() == 0 or split:  # tensor parallel: every rank writes (the same dict)
+                        if rank == 0 or split:  # tensor parallel: every rank writes (the same dict)
                             _copy_checked(p, state[key], key)
         for key in key_of.values():  # buffers (never partitioned)
             _copy_checked(entries[key], state[key], key)
@@ -215,17 +219,18 @@ def save_consolidated(runtime: Any, path: str | Path) -> Path:
     rank returns once the file is written. A large model may take longer than trainer.timeout_s, so
     the watchdog is off meanwhile and the other ranks wait on the slow gloo group (an nccl
     collective would time out instead)."""
+    process = runtime.start()
     with watchdog.suspended(watchdog.LONG_WORK, "writing the weights"):
         state = runtime.full_state_dict()
         weights = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
-        if dev.is_main_process():
+        if process.is_main:
             module = runtime.module
             if not Path(path).suffix and is_hf_model(module):
                 module.config.architectures = [type(module).__name__]
                 module.save_pretrained(str(path), state_dict=weights, safe_serialization=True)
             else:
                 save_weights(weights, path)
-        dev.barrier(slow=True)
+        process.barrier(slow=True)
     return Path(path)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from framework.errors import ConfigError
-from framework.process import context as dev
+from framework.process.context import ProcessContext
 
 LOCK = ".lock"
 
@@ -87,12 +87,12 @@ def _in_use_message(ckpt_dir: Path, lock: Path, holder: dict[str, Any]) -> str:
     )
 
 
-def acquire_lock(ckpt_dir: Path) -> None:
+def acquire_lock(ckpt_dir: Path, process: ProcessContext | None = None) -> None:
     """Rank 0 takes `ckpt_dir`'s lock for this run (a flock, with pid + host written in the file
     for the message); another live run holding it is a ConfigError on every rank. Released by
-    `release_lock` (and at process exit)."""
-    problem = None
-    if dev.is_main_process():
+    `release_lock` (and at process exit). `process`: the job's ranks (None: this process alone)."""
+    problem, job = None, process if process is not None else ProcessContext("cpu")
+    if job.is_main:
         try:
             ckpt_dir.mkdir(parents=True, exist_ok=True)
             problem = _in_use(ckpt_dir, ckpt_dir / LOCK)
@@ -101,7 +101,7 @@ def acquire_lock(ckpt_dir: Path) -> None:
                 f"checkpoint dir {ckpt_dir} cannot be written ({exc.strerror or exc}): set "
                 "trainer.checkpoint.dir to a writable dir, or trainer.checkpoint.enabled=false"
             )
-    problem = dev.broadcast_object(problem)
+    problem = job.broadcast_object(problem)
     if problem:
         raise ConfigError(problem)
 

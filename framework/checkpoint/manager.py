@@ -27,8 +27,8 @@ from framework.integrations.hf import hf_model_in
 from framework.observe.callbacks import Callback
 from framework.observe.metrics import Metrics
 from framework.observe.state import LoopState
-from framework.process import context as dev
 from framework.process import watchdog
+from framework.process.context import ProcessContext
 
 if TYPE_CHECKING:
     from framework.backend.runtime import Runtime
@@ -47,10 +47,9 @@ class Stateful:
 # ---------------------------------------------------------------------------- RNG
 
 
-def rng_state() -> dict[str, Any]:
-    """This process's generators: Python, NumPy, torch's CPU one and this rank's device one."""
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """This process's generators: Python, NumPy, torch's CPU one and the one of `device` (this rank's)."""
     np_state: Any = np.random.get_state()
-    device = dev.device()
     return {
         "python": random.getstate(),
         "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]],
@@ -59,13 +58,12 @@ def rng_state() -> dict[str, Any]:
     }
 
 
-def restore_rng(saved: dict[str, Any]) -> None:
-    """Put back what `rng_state` returned (the device generator only on a device of that kind)."""
+def restore_rng(saved: dict[str, Any], device: torch.device) -> None:
+    """Put back what `rng_state` returned (the generator of `device` only on a device of that kind)."""
     random.setstate(_as_tuple(saved["python"]))
     np_state = saved["numpy"]
     np.random.set_state((np_state[0], np_state[1].numpy(), *np_state[2:]))
     torch.set_rng_state(saved["torch"])
-    device = dev.device()
     if saved.get("device") is not None and device.type == "cuda":
         torch.cuda.set_rng_state(saved["device"], device)
 
@@ -82,8 +80,8 @@ def rank_state(parts: Stateful) -> dict[str, Any]:
     return {
         "loop": parts.state.state_dict(),
         "metrics": {"train": parts.metrics.train.state_dict(), "eval": parts.metrics.eval.state_dict()},
-        "rng": rng_state(),
-        "world_size": dev.world_size(),
+        "rng": rng_state(parts.runtime.device),
+        "world_size": parts.runtime.world_size,
         "dp_size": parts.runtime.dp_size,
     }
 
@@ -154,8 +152,9 @@ def _check_finite(parts: Stateful) -> None:
     assert parts.runtime.module is not None
     finite = [torch.isfinite(p.detach()).all() for p in parts.runtime.module.parameters() if p.numel()]
     bad = bad_loss is not None or not bool(torch.stack(finite).all() if finite else True)
-    if dev.any_rank(bad):
-        step = dev.all_reduce_min(bad_loss[0] if bad_loss else state.global_step + 1)
+    job = parts.runtime.process
+    if job.any_rank(bad):
+        step = job.all_reduce_min(bad_loss[0] if bad_loss else state.global_step + 1)
         raise state.non_finite_error(step, bad_loss[1] if bad_loss else math.nan)
 
 
@@ -163,7 +162,7 @@ def _write_files(parts: Stateful, ckpt_dir: Path, path: Path) -> BaseException |
     """This rank's files of checkpoint `path`; the error, if writing failed."""
     try:
         path.mkdir(parents=True, exist_ok=True)
-        torch.save(rank_state(parts), store.rank_file(path, dev.rank()))
+        torch.save(rank_state(parts), store.rank_file(path, parts.runtime.process.rank))
         parts.runtime.save_checkpoint(str(ckpt_dir), path.name)
     except (OSError, RuntimeError) as exc:
         return exc
@@ -174,10 +173,13 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.1f} GiB"
 
 
-def _failed_save(ckpt_dir: Path, path: Path, exc: BaseException | None, last: str | None) -> CheckpointError:
-    """The partial dir is removed; the message says why (no space: how much was needed, how much is free)."""
+def _failed_save(
+    ckpt_dir: Path, path: Path, exc: BaseException | None, last: str | None, main: bool
+) -> CheckpointError:
+    """The partial dir is removed (by rank 0: `main`); the message says why (no space: how much was
+    needed, how much is free)."""
     written = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
-    if dev.is_main_process():
+    if main:
         shutil.rmtree(path, ignore_errors=True)
     text = str(exc) if exc is not None else "another rank could not write its files"
     full = isinstance(exc, OSError) and exc.errno == errno.ENOSPC
@@ -206,20 +208,21 @@ def save(
 
 def _save(parts: Stateful, ckpt_dir: Path, keep_last_k: int | None, reason: str) -> Path:
     runtime, state = parts.runtime, parts.state
+    job = runtime.process
     path = ckpt_dir / store.tag_for(state.global_step)
-    if dev.is_main_process() and path.exists():  # a partial leftover of an earlier attempt
+    if job.is_main and path.exists():  # a partial leftover of an earlier attempt
         shutil.rmtree(path)
-    dev.barrier()
+    job.barrier()
     error = _write_files(parts, ckpt_dir, path)
-    if dev.any_rank(error is not None):  # every rank's files are written, or all give up together
-        raise _failed_save(ckpt_dir, path, error, state.last_checkpoint)
-    if dev.is_main_process():
+    if job.any_rank(error is not None):  # every rank's files are written, or all give up together
+        raise _failed_save(ckpt_dir, path, error, state.last_checkpoint, job.is_main)
+    if job.is_main:
         save_model_config(runtime.module, path)
         layout = runtime.layout
         meta = {
             "step": state.global_step,
             "epoch": state.epoch,
-            "world_size": dev.world_size(),
+            "world_size": runtime.world_size,
             "dp_size": runtime.dp_size,
             "tp_size": runtime.mesh.tp_size,
             "micro_batch_size": layout.micro_batch_size if layout else 0,
@@ -232,7 +235,7 @@ def _save(parts: Stateful, ckpt_dir: Path, keep_last_k: int | None, reason: str)
         store.mark_complete(path, meta)
         if keep_last_k:
             store.prune(ckpt_dir, keep_last_k)
-    dev.barrier(slow=True)  # rank 0 flushed, hashed and pruned: possibly long
+    job.barrier(slow=True)  # rank 0 flushed, hashed and pruned: possibly long
     return path
 
 
@@ -242,13 +245,14 @@ def load(parts: Stateful, path: Path) -> None:
     says `resumed from step N (path)`."""
     with watchdog.suspended(watchdog.LONG_WORK, "loading a checkpoint"):
         _load(parts, path)
-    if dev.is_main_process():
+    if parts.runtime.process.is_main:
         print(f"resumed from step {parts.state.global_step} ({path})", flush=True)
 
 
 def _load(parts: Stateful, path: Path) -> None:
     runtime, state = parts.runtime, parts.state
-    meta = store.check(path)
+    job = runtime.process
+    meta = store.check(path, job)
     difference = _differences(path, meta["setup"], setup_record(runtime)) if "setup" in meta else None
     if difference:
         raise CheckpointError(difference)
@@ -263,12 +267,12 @@ def _load(parts: Stateful, path: Path) -> None:
         raise CheckpointError(
             f"checkpoint {path} could not be loaded (DeepSpeed found no model states in it)"
         )
-    saved = safety.load_safely(store.rank_file(load_path, dev.rank() if same_layout else 0))
+    saved = safety.load_safely(store.rank_file(load_path, job.rank if same_layout else 0))
     state.load_state_dict(saved["loop"], with_position=same_layout)
     if same_layout:  # per-rank metric states and generators do not map onto another world size
-        parts.metrics.train.load_state_dict(saved["metrics"]["train"], dev.device())
-        parts.metrics.eval.load_state_dict(saved["metrics"]["eval"], dev.device())
-        restore_rng(saved["rng"])
+        parts.metrics.train.load_state_dict(saved["metrics"]["train"], job.device)
+        parts.metrics.eval.load_state_dict(saved["metrics"]["eval"], job.device)
+        restore_rng(saved["rng"], job.device)
         return
     # Another layout: continue at the same sample of the epoch's order.
     consumed = state.batches_in_epoch * int(meta["micro_batch_size"]) * int(meta["dp_size"])
@@ -278,9 +282,10 @@ def _load(parts: Stateful, path: Path) -> None:
     state.step_calls = state.batches_in_epoch // per_call
 
 
-def newest(ckpt: str | Path) -> Path:
-    """The checkpoint `ckpt`, or the newest complete one in the checkpoints dir `ckpt` (verified)."""
-    found = store.resolve(str(ckpt), None)
+def newest(ckpt: str | Path, process: ProcessContext | None = None) -> Path:
+    """The checkpoint `ckpt`, or the newest complete one in the checkpoints dir `ckpt` (verified;
+    every rank of `process` gets rank 0's answer)."""
+    found = store.resolve(str(ckpt), None, process)
     if found is None:
         raise CheckpointError(f"no complete checkpoint in {ckpt}")
     return found
@@ -295,7 +300,7 @@ def _source(runtime: Runtime, path: Path, meta: dict[str, Any]) -> tuple[Path, b
     """Where DeepSpeed loads checkpoint `path` from for this run (it, or its universal conversion for
     another data- or tensor-parallel degree), and whether this run has the checkpoint's layout."""
     (dp, tp), now = _layout(meta), (runtime.dp_size, runtime.mesh.tp_size)
-    if (dp, tp) == now and int(meta["world_size"]) == dev.world_size():
+    if (dp, tp) == now and int(meta["world_size"]) == runtime.world_size:
         return path, True
     if int(meta["zero_stage"]) == 0:  # whole weights for one tensor-parallel degree
         if tp == now[1]:
@@ -313,8 +318,8 @@ def _source(runtime: Runtime, path: Path, meta: dict[str, Any]) -> tuple[Path, b
             f"checkpoint {path} holds ZeRO partitions for {was} ranks and this engine was already built for "
             f"{built}: load it before anything else runs (Engine.load or fit(resume=...) first)"
         )
-    universal = store.to_universal(path)
-    store.check(universal)
+    universal = store.to_universal(path, runtime.process)
+    store.check(universal, runtime.process)
     return universal, False
 
 
@@ -344,7 +349,7 @@ class CheckpointManager(Callback):
         self.handle_preemption = handle_preemption
         self.on_saved = on_saved
         self.last_saved_step = -1
-        self._agreement = preemption.Agreement() if handle_preemption else None
+        self._agreement = preemption.Agreement(parts.runtime.process) if handle_preemption else None
         self._preempted = False
 
     def save_now(self, reason: str = "request") -> Path:
@@ -360,8 +365,8 @@ class CheckpointManager(Callback):
 
     def on_fit_start(self, state: LoopState) -> None:
         """Take the checkpoint dir's lock for this run; remove what an interrupted conversion left."""
-        store.acquire_lock(self.ckpt_dir)
-        if dev.is_main_process():
+        store.acquire_lock(self.ckpt_dir, self.parts.runtime.process)
+        if self.parts.runtime.process.is_main:
             store.remove_interrupted(self.ckpt_dir)
 
     def on_step_end(self, state: LoopState) -> None:

@@ -19,16 +19,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from framework.process import context as dev
+from framework.process.context import ProcessContext
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 # Exit code of a job that stopped for a preemption signal after saving a checkpoint: "not done,
 # resume me" (EX_TEMPFAIL). An sbatch script requeues on it; a sweep counts the job as preempted.
 EXIT_PREEMPTED = 75
 
-_requested_at: float | None = None  # time of the first signal
-_signal: int | None = None  # which one
-_saved_step: int | None = None  # the preemption checkpoint's step, once saved
+
+class _Requests:
+    """This process's preemption requests (one per process: signals are delivered to a process)."""
+
+    def __init__(self) -> None:
+        self.at: float | None = None  # time of the first signal
+        self.signum: int | None = None  # which one
+        self.saved_step: int | None = None  # the preemption checkpoint's step, once saved
+
+
+_requests = _Requests()
 _previous: dict[int, Any] = {}  # the handlers ours replaced (submitit's among them)
 
 
@@ -46,19 +54,18 @@ def install_handler() -> None:
 
 def note_requested(at: float, signum: int) -> None:
     """Record a preemption request (a signal here, or one a worker reported to its launcher)."""
-    global _requested_at, _signal
-    if _requested_at is None:
-        _requested_at, _signal = at, signum
+    if _requests.at is None:
+        _requests.at, _requests.signum = at, signum
 
 
 def requested_at() -> float | None:
     """When this process first got a preemption signal (None: it did not)."""
-    return _requested_at
+    return _requests.at
 
 
 def signal_name() -> str:
     """The first preemption signal's name (SIGTERM when none came)."""
-    return signal.Signals(_signal or signal.SIGTERM).name
+    return signal.Signals(_requests.signum or signal.SIGTERM).name
 
 
 def _submitit_handler() -> Callable[[int, Any], None] | None:
@@ -77,7 +84,7 @@ def submitit_requeue() -> Callable[[], None] | None:
     through its checkpoint protocol (`max_num_timeout` bounds the time-limit requeues) and exits.
     None when there is nothing to hand over to (not under submitit, or SIGTERM: a cancellation,
     or a preemption that Slurm requeues by itself)."""
-    handler, signum = _submitit_handler(), _signal
+    handler, signum = _submitit_handler(), _requests.signum
     if handler is None or signum not in (signal.SIGUSR1, signal.SIGUSR2):
         return None
     return lambda: handler(signum, None)
@@ -85,18 +92,17 @@ def submitit_requeue() -> Callable[[], None] | None:
 
 def note_saved(step: int) -> None:
     """The run stopped for preemption after saving a checkpoint of `step` (every rank)."""
-    global _saved_step
-    _saved_step = step
+    _requests.saved_step = step
 
 
 def saved_step() -> int | None:
     """The step of the preemption checkpoint this process's run saved (None: it was not preempted)."""
-    return _saved_step
+    return _requests.saved_step
 
 
 def report() -> tuple[float | None, int | None, int | None]:
     """This process's preemption state, for its launcher (`adopt`)."""
-    return _requested_at, _signal, _saved_step
+    return _requests.at, _requests.signum, _requests.saved_step
 
 
 def adopt(state: tuple[float | None, int | None, int | None]) -> None:
@@ -116,14 +122,15 @@ class Agreement:
     so reading it costs no wait for the device (on CUDA the value comes back through pinned
     memory and an event). Every rank sees the same answer at the same poll."""
 
-    def __init__(self) -> None:
+    def __init__(self, process: ProcessContext) -> None:
+        self.process = process
         self._inflight: tuple[Any, torch.Tensor] | None = None  # (work, flag on the collective device)
         self._ready: tuple[Any, torch.Tensor] | None = None  # (event or None, flag in host memory)
 
     def poll(self) -> bool:
         """The agreed flag as of two polls ago (one process: this process's flag, now)."""
-        mine = _requested_at is not None
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
+        mine = _requests.at is not None
+        if not (self.process.world_size > 1 and dist.is_initialized()):
             return mine
         agreed = False
         if self._ready is not None:
@@ -143,7 +150,7 @@ class Agreement:
                 self._ready = (event, host)
             else:
                 self._ready = (None, flag)
-        flag = torch.tensor([1.0 if mine else 0.0], device=dev.collective_device())
+        flag = torch.tensor([1.0 if mine else 0.0], device=self.process.collective_device)
         self._inflight = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
         return agreed
 

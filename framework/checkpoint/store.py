@@ -29,8 +29,8 @@ from framework.backend import checkpoint_files
 from framework.checkpoint import safety
 from framework.checkpoint.lock import LOCK, acquire_lock, release_lock
 from framework.errors import CheckpointError, ConfigError
-from framework.process import context as dev
 from framework.process import watchdog
+from framework.process.context import ProcessContext
 
 COMPLETE = "COMPLETE.json"
 BAD = "BAD.json"  # a complete checkpoint whose weights gave a NaN/inf loss
@@ -150,9 +150,13 @@ def _alive(pid: int) -> bool:
 # ---------------------------------------------------------------------------- finding
 
 
+def ranks(process: ProcessContext | None) -> ProcessContext:
+    """The job's ranks that must agree (`process`), or this process alone."""
+    return process if process is not None else ProcessContext("cpu")
+
+
 def _say(text: str) -> None:
-    if dev.is_main_process():
-        print(text, file=sys.stderr, flush=True)
+    print(text, file=sys.stderr, flush=True)
 
 
 def _newest_intact(ckpt_dir: Path) -> Path | None:
@@ -174,13 +178,13 @@ def _newest_intact(ckpt_dir: Path) -> Path | None:
     return None
 
 
-def find_resumable(ckpt_dir: str | Path) -> Path | None:
-    """The newest complete, intact checkpoint in `ckpt_dir` (rank 0 looks, every rank gets the
-    answer); newer partial or damaged ones are skipped, each named once with why."""
-    ckpt_dir = Path(ckpt_dir)
+def find_resumable(ckpt_dir: str | Path, process: ProcessContext | None = None) -> Path | None:
+    """The newest complete, intact checkpoint in `ckpt_dir` (rank 0 of `process` looks, every rank
+    gets the answer); newer partial or damaged ones are skipped, each named once with why."""
+    ckpt_dir, job = Path(ckpt_dir), ranks(process)
     with watchdog.suspended(watchdog.LONG_WORK, "verifying checkpoints"):  # hashing may take long
-        found = _newest_intact(ckpt_dir) if dev.is_main_process() and ckpt_dir.is_dir() else None
-        found = dev.broadcast_object(str(found) if found else None, slow=True)
+        found = _newest_intact(ckpt_dir) if job.is_main and ckpt_dir.is_dir() else None
+        found = job.broadcast_object(str(found) if found else None, slow=True)
     return Path(found) if found else None
 
 
@@ -222,44 +226,48 @@ def verify(path: Path) -> dict[str, Any]:
     return meta
 
 
-def check(path: Path) -> dict[str, Any]:
-    """The checkpoint's metadata after rank 0 verified it (every rank gets the error, if any)."""
-    problem = None
+def check(path: Path, process: ProcessContext | None = None) -> dict[str, Any]:
+    """The checkpoint's metadata after rank 0 of `process` verified it (every rank gets the
+    error, if any)."""
+    problem, job = None, ranks(process)
     with watchdog.suspended(watchdog.LONG_WORK, "verifying a checkpoint"):
-        if dev.is_main_process():
+        if job.is_main:
             try:
                 verify(path)
             except CheckpointError as exc:
                 problem = str(exc)
-        problem = dev.broadcast_object(problem, slow=True)
+        problem = job.broadcast_object(problem, slow=True)
     if problem:
         raise CheckpointError(problem)
     return read_meta(path)
 
 
-def resolve(resume: str | Path, ckpt_dir: str | Path | None) -> Path | None:
+def resolve(
+    resume: str | Path, ckpt_dir: str | Path | None, process: ProcessContext | None = None
+) -> Path | None:
     """`auto` -> the newest intact checkpoint in `ckpt_dir` (None if there is none, said in one
-    line); a path -> that checkpoint (verified), or the newest intact one in that dir."""
+    line); a path -> that checkpoint (verified), or the newest intact one in that dir. Every rank
+    of `process` gets the same answer."""
     if str(resume) == "auto":
-        found = find_resumable(ckpt_dir) if ckpt_dir is not None else None
-        if found is None:
+        found = find_resumable(ckpt_dir, process) if ckpt_dir is not None else None
+        if found is None and ranks(process).is_main:
             _say(f"resume=auto: no complete checkpoint in {ckpt_dir} yet; starting from the beginning")
         return found
     path = Path(resume)
     if not path.exists():
         raise ConfigError(f"trainer.resume={resume}: no such checkpoint")
     if TAG.match(path.name) or (path / COMPLETE).exists():
-        check(path)
+        check(path, process)
         return path
-    found = find_resumable(path)
+    found = find_resumable(path, process)
     if found is None:
         raise ConfigError(f"trainer.resume={resume}: no complete checkpoint in that dir")
     return found
 
 
-def mark_bad(paths: list[str], reason: str) -> None:
-    """Rank 0: note in each checkpoint why `resume=auto` must not pick it."""
-    if dev.is_main_process():
+def mark_bad(paths: list[str], reason: str, process: ProcessContext | None = None) -> None:
+    """Rank 0 of `process`: note in each checkpoint why `resume=auto` must not pick it."""
+    if ranks(process).is_main:
         for path in paths:
             if Path(path).is_dir():
                 atomic_write(Path(path) / BAD, json.dumps({"reason": reason}))
@@ -268,11 +276,11 @@ def mark_bad(paths: list[str], reason: str) -> None:
 # ---------------------------------------------------------------------------- another world size
 
 
-def to_universal(path: Path) -> Path:
-    """Convert a ZeRO checkpoint to DeepSpeed's universal format (once; rank 0 converts).
-    Collective: the other ranks wait for the conversion."""
-    out = path.with_name(path.name + "_universal")
-    if dev.is_main_process():
+def to_universal(path: Path, process: ProcessContext | None = None) -> Path:
+    """Convert a ZeRO checkpoint to DeepSpeed's universal format (once; rank 0 of `process`
+    converts). Collective: the other ranks wait for the conversion."""
+    out, job = path.with_name(path.name + "_universal"), ranks(process)
+    if job.is_main:
         meta = verify(path)
         source = safety.sha256(path / COMPLETE)
         try:  # a dir of that name that is not this checkpoint's conversion is converted over
@@ -281,7 +289,7 @@ def to_universal(path: Path) -> Path:
             done = False
         if not done:
             _convert(path, out, dict(meta, converted_from=source))
-    dev.barrier(slow=True)
+    job.barrier(slow=True)
     return out
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import json
 import math
 import os
 import random
@@ -25,11 +24,11 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from framework import checkpoint
-from framework.backend import parallel
 from framework.backend.runtime import Runtime
 from framework.checkpoint import preemption
 from framework.cli import construct
 from framework.cli.config import RENAMED, check_schema
+from framework.cli.report import RunFiles, print_plan
 from framework.data.datasets import as_splits
 from framework.engine.engine import Engine
 from framework.engine.fit_config import FitConfig
@@ -38,11 +37,10 @@ from framework.integrations import hf
 from framework.observe import runlog
 from framework.observe.callbacks import Callback
 from framework.observe.loggers import MetricsFile
-from framework.observe.state import LoopState
 from framework.plan.run_plan import batch_layout, mesh_of
 from framework.plan.strategy import Strategy
-from framework.process import context as dev
 from framework.process import slurm
+from framework.process.context import ProcessContext, launched
 from framework.process.launch import check_launched_devices
 
 
@@ -110,16 +108,17 @@ def check_monitors(cfg: DictConfig, has_valid: bool) -> None:
 
 
 def build_fit_config(
-    cfg: DictConfig, ckpt_dir: Path, handle_preemption: bool, resume: str | None
+    cfg: DictConfig, ckpt_dir: Path, handle_preemption: bool, resume: str | None, main: bool = True
 ) -> FitConfig:
-    """`Engine.fit`'s arguments from `trainer.*` and `data.*` (`resume`: see `resume_choice`)."""
+    """`Engine.fit`'s arguments from `trainer.*` and `data.*` (`resume`: see `resume_choice`;
+    `main`: this is rank 0, which says what is deprecated)."""
     t = cfg.trainer
     return FitConfig(
         epochs=t.epochs,
         batch_size=t.batch_size,
         steps_per_epoch=t.steps_per_epoch,
-        valid_freq=renamed(cfg, "trainer.valid_every"),
-        log_freq=renamed(cfg, "trainer.log_every"),
+        valid_freq=renamed(cfg, "trainer.valid_every", main),
+        log_freq=renamed(cfg, "trainer.log_every", main),
         max_steps=t.max_steps,
         valid_batch_size=t.valid_batch_size,
         shuffle=cfg.data.shuffle,
@@ -127,7 +126,7 @@ def build_fit_config(
         num_workers=cfg.data.num_workers,
         valid_at_start=t.valid_at_start,
         save_dir=str(ckpt_dir) if t.checkpoint.enabled else None,
-        save_freq=renamed(cfg, "trainer.checkpoint.every_n_steps"),
+        save_freq=renamed(cfg, "trainer.checkpoint.every_n_steps", main),
         keep_last_k=t.checkpoint.keep_last_k,
         resume=resume,
         handle_preemption=handle_preemption,
@@ -137,11 +136,12 @@ def build_fit_config(
     )
 
 
-def resume_choice(cfg: DictConfig) -> str | None:
+def resume_choice(cfg: DictConfig, main: bool = True) -> str | None:
     """`trainer.resume`; unset in a requeued Slurm job (the time limit or a preemption stopped its
-    earlier attempt, which saved), `auto`: the attempt goes on from the newest checkpoint."""
+    earlier attempt, which saved), `auto`: the attempt goes on from the newest checkpoint (rank 0,
+    `main`, says so)."""
     if cfg.trainer.resume is None and cfg.trainer.checkpoint.enabled and slurm.requeued():
-        if dev.is_main_process():
+        if main:
             print(
                 f"slurm: requeued (attempt {int(os.environ['SLURM_RESTART_COUNT']) + 1}): trainer.resume=auto"
             )
@@ -149,13 +149,13 @@ def resume_choice(cfg: DictConfig) -> str | None:
     return None if cfg.trainer.resume is None else str(cfg.trainer.resume)
 
 
-def renamed(cfg: DictConfig, old: str) -> Any:
+def renamed(cfg: DictConfig, old: str, main: bool = True) -> Any:
     """The value of the key `old` was renamed to; `old` itself wins when set, with a one-line
-    deprecation (see `framework.cli.config.RENAMED`)."""
+    deprecation from rank 0 (`main`; see `framework.cli.config.RENAMED`)."""
     value = OmegaConf.select(cfg, old)
     if value is None:
         return OmegaConf.select(cfg, RENAMED[old])
-    if dev.is_main_process():
+    if main:
         print(f"{old} is deprecated: use {RENAMED[old]} (same meaning)", flush=True)
     return value
 
@@ -241,61 +241,10 @@ def _optional(node: Any) -> Any:
     return instantiate(node)
 
 
-class RunFiles(Callback):
-    """Rank 0 writes the DeepSpeed config that the engine really received, then the final metrics."""
-
-    def __init__(self, output_dir: Path):
-        self.output_dir = output_dir
-
-    def on_fit_start(self, state: LoopState) -> None:
-        """deepspeed_config.json next to the resolved config."""
-        with open(self.output_dir / "deepspeed_config.json", "w") as f:
-            json.dump(state.info.deepspeed_config, f, indent=2)
-
-    def on_fit_end(self, state: LoopState) -> None:
-        """final_metrics.json: the last value of each logged quantity."""
-        final = {k: v[-1] for k, v in state.history.items() if v}
-        final.update(step=state.global_step, batches=state.batches_fetched, samples=state.samples_seen)
-        with open(self.output_dir / "final_metrics.json", "w") as f:
-            json.dump(final, f, indent=2, default=float)
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
-
-
-def print_plan(engine: Engine) -> None:
-    """What `+dry_run=true` prints: per-rank model-state memory and the DeepSpeed config."""
-    cost = engine.cost("train")
-    runtime = engine.runtime
-    parallel.check_model(runtime.strategy, runtime.mesh, engine.module)  # what training would refuse
-    print(
-        f"{type(engine.module).__name__}: {cost['parameters']:,} parameters (largest tensor "
-        f"{cost['largest_parameter']:,}) | {runtime.strategy.describe()} | {runtime.mesh.describe()}"
-    )
-    parts = ("params_bytes", "grads_bytes", "optimizer_bytes", "buffer_bytes")
-    print(
-        f"per-rank model states: {cost['parameters_per_rank']:,} parameters, "
-        + ", ".join(f"{k.removesuffix('_bytes')} {_size(cost[k])}" for k in parts)
-        + f" = {_size(cost['total_bytes'])} (device {_size(cost['device_bytes'])}, cpu {_size(cost['cpu_bytes'])})"
-    )
-    if cost["deepspeed_estimate"]:
-        est = cost["deepspeed_estimate"]
-        print(
-            f"DeepSpeed's estimator (fp16 mixed precision): device {_size(est['device_bytes'])}, "
-            f"cpu {_size(est['cpu_bytes'])}"
-        )
-    print("DeepSpeed config: " + json.dumps(runtime.deepspeed_config_for(engine.module)))
-
-
-def _callbacks(cfg: DictConfig, out: Path, context: dict[str, Any]) -> list[Callback]:
-    """Loggers and run files (rank 0 only), then the configured callbacks."""
+def _callbacks(cfg: DictConfig, out: Path, context: dict[str, Any], main: bool) -> list[Callback]:
+    """Loggers and run files (rank 0 only: `main`), then the configured callbacks."""
     callbacks: list[Callback] = []
-    if dev.is_main_process():
+    if main:
         callbacks += [
             instantiate_with_context(node, context) for node in cfg.logger.values() if node is not None
         ]
@@ -332,67 +281,72 @@ def _fit(cfg: DictConfig, engine: Engine, splits: Any, ckpt_dir: Path) -> dict[s
     preempt = t.checkpoint.enabled and threading.current_thread() is threading.main_thread()
     if preempt:
         preemption.install_handler()
-    resume = resume_choice(cfg)
-    if t.init_from and not (resume and (resume != "auto" or checkpoint.find_resumable(ckpt_dir))):
+    main = engine.runtime.process.is_main
+    resume = resume_choice(cfg, main)
+    if t.init_from and not (
+        resume and (resume != "auto" or checkpoint.find_resumable(ckpt_dir, engine.runtime.process))
+    ):
         engine.prepare("train", int(t.batch_size))
         try:
             engine.load(str(t.init_from))  # a fresh start from these weights
         except (CheckpointError, FileNotFoundError) as exc:
             raise type(exc)(f"trainer.init_from={t.init_from}: {exc}") from None
-    kwargs = build_fit_config(cfg, ckpt_dir, preempt, resume).as_kwargs()
+    kwargs = build_fit_config(cfg, ckpt_dir, preempt, resume, main).as_kwargs()
     if kwargs["collate_fn"] is None:  # the data's own (e.g. padding for text classification)
         kwargs["collate_fn"] = getattr(splits, "collate_fn", None)
     return engine.fit(splits.train, splits.valid, **kwargs)
 
 
-def _tokenizer_from_model_dir(cfg: DictConfig) -> None:
+def _tokenizer_from_model_dir(cfg: DictConfig, main: bool = True) -> None:
     """`data.dataset.tokenizer` left unset and a model loaded from a directory that holds a
-    tokenizer: that one (said in one line; the saved config.yaml records it)."""
+    tokenizer: that one (said in one line by rank 0, `main`; the saved config.yaml records it)."""
     node = cfg.data.dataset
     if "tokenizer" not in node or node.tokenizer is not None:
         return
     found = hf.tokenizer_dir(cfg.model)
     if found is not None:
         node.tokenizer = str(found)
-        if dev.is_main_process():
+        if main:
             print(f"data: the tokenizer of {found} (the model's directory; data.dataset.tokenizer to change)")
 
 
 def train(cfg: DictConfig, output_dir: str | None, context: dict[str, Any] | None = None) -> float | None:
-    """Train in this process (one rank of the job): build everything from `cfg`, fit, write files."""
+    """Train in this process (one rank of the job): build everything from `cfg`, fit, write files.
+    The job's process context is made here and handed to the runtime; it ends with the job."""
     check_schema(cfg)
     t = cfg.trainer
-    dev.select_accelerator(str(t.accelerator))
-    dev.use_tf32(bool(t.tf32))
-    runtime = Runtime(build_strategy(cfg))
-    with dev.process_group(timeout_s=t.timeout_s), contextlib.ExitStack() as console_copy:
+    strategy = build_strategy(cfg)
+    job = ProcessContext.start(str(t.accelerator), float(t.timeout_s), tf32=bool(t.tf32))
+    with job, contextlib.ExitStack() as console_copy:
+        runtime = Runtime(strategy, job)
         runtime.mesh  # noqa: B018  degrees that do not divide the processes: the strategy's own error
         _with_key("trainer.batch_size", runtime.fix_layout, int(t.batch_size))
-        if dev.launched():
-            check_launched_devices(int(t.devices))
-        out = Path(dev.broadcast_object(output_dir or os.path.join("outputs", "run")))
+        if launched():
+            check_launched_devices(int(t.devices), job)
+        out = Path(job.broadcast_object(output_dir or os.path.join("outputs", "run")))
         context = dict(context or {}, output_dir=str(out))
-        if dev.is_main_process():
+        if job.is_main:
             out.mkdir(parents=True, exist_ok=True)
             console_copy.enter_context(runlog.tee(Path(context.get("log_file") or out / "train.log")))
-        _tokenizer_from_model_dir(cfg)
+        _tokenizer_from_model_dir(cfg, job.is_main)
         context["run_config"] = OmegaConf.to_container(cfg, resolve=True)
-        if dev.is_main_process():
+        if job.is_main:
             (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         seed_everything(t.seed)
         splits = as_splits(instantiate(cfg.data.dataset))
         check_monitors(cfg, has_valid=getattr(splits, "valid", None) is not None)
-        engine = build_engine(cfg, runtime, _callbacks(cfg, out, context) if not cfg.dry_run else [])
+        callbacks = _callbacks(cfg, out, context, job.is_main) if not cfg.dry_run else []
+        engine = build_engine(cfg, runtime, callbacks)
         hf.adopt(engine.module, splits)  # the tokenizer fits the model; class names into its config
         if cfg.dry_run:
-            if dev.is_main_process():
+            if job.is_main:
                 print_plan(engine)
             return None
         ckpt_dir = checkpoint_dir(cfg, out)
         if t.checkpoint.enabled:
-            hf.keep_tokenizer(splits, ckpt_dir, write=dev.is_main_process())
+            hf.keep_tokenizer(splits, ckpt_dir, write=job.is_main)
         history = _fit(cfg, engine, splits, ckpt_dir)
-        if dev.is_main_process() and engine.state.stop_reason.startswith("preempted"):
+        if job.is_main and engine.state.stop_reason.startswith("preempted"):
             print(
                 f"{engine.state.stop_reason}; resume with trainer.resume=auto trainer.checkpoint.dir={ckpt_dir}"
             )

@@ -38,7 +38,7 @@ from framework.backend.runtime import Runtime
 from framework.errors import ConfigError
 from framework.integrations import hf
 from framework.integrations.hf_models import BUILDS_HF_MODELS
-from framework.process import context as dev
+from framework.process.context import ProcessContext
 
 INIT_MODES = ("auto", "whole", "partitioned")
 _NN_INIT = (
@@ -81,13 +81,13 @@ def _free_host_bytes() -> int:
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
-def fits_whole(parameters: int) -> bool:
+def fits_whole(parameters: int, process: ProcessContext) -> bool:
     """Whether every process of this machine can hold the whole fp32 model for a moment."""
     need = 4 * parameters
-    if need * dev.local_world_size() > _free_host_bytes() / 2:
+    if need * process.local_world_size > _free_host_bytes() / 2:
         return False
-    if dev.cuda_available():
-        return need <= torch.cuda.mem_get_info(dev.device())[0] / 2
+    if process.cuda:
+        return need <= torch.cuda.mem_get_info(process.device)[0] / 2
     return True
 
 
@@ -171,10 +171,10 @@ def build_model(node: Any, runtime: Runtime) -> Any:
     strategy = runtime.strategy
     if strategy.sharding.stage != 3 or strategy.uses_pipeline:
         return instantiate(node)
-    mode = strategy.sharding.init
+    mode, main = strategy.sharding.init, runtime.mesh.rank == 0
     if mode != "auto":
         whole = mode == "whole"
-        _announce(whole, mode, "asked for")
+        _announce(main, whole, mode, "asked for")
         return instantiate(node) if whole else _partitioned(node, runtime, target)
     try:
         parameters = count_parameters(node)
@@ -182,11 +182,17 @@ def build_model(node: Any, runtime: Runtime) -> Any:
         model = instantiate(node)  # what auto does with a model that fits: built whole
         parameters = sum(p.numel() for p in model.parameters())
         _announce(
-            True, mode, f"its size could not be counted on the meta device: {_first_line(exc)}", parameters
+            main,
+            True,
+            mode,
+            f"its size could not be counted on the meta device: {_first_line(exc)}",
+            parameters,
         )
         return model
-    whole = fits_whole(parameters)
-    _announce(whole, mode, "fits in one rank's memory" if whole else "too large for one rank", parameters)
+    whole = fits_whole(parameters, runtime.process)
+    _announce(
+        main, whole, mode, "fits in one rank's memory" if whole else "too large for one rank", parameters
+    )
     return instantiate(node) if whole else _partitioned(node, runtime, target)
 
 
@@ -198,9 +204,9 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
-def _announce(whole: bool, mode: str, why: str, parameters: int = 0) -> None:
-    """The one line saying how the model is built."""
-    if not dev.is_main_process():
+def _announce(main: bool, whole: bool, mode: str, why: str, parameters: int = 0) -> None:
+    """The one line saying how the model is built (rank 0, `main`, says it)."""
+    if not main:
         return
     count = ""
     if parameters:

@@ -21,6 +21,7 @@ from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from framework.backend import deepspeed_globals
 from framework.checkpoint import preemption
 from framework.checkpoint.store import complete_checkpoints, read_meta
 from framework.cli import sweep
@@ -29,8 +30,8 @@ from framework.cli.build import checkpoint_dir, train, validate
 from framework.cli.config import check_override, register_configs
 from framework.errors import CheckpointError, ConfigError, NonFiniteLoss
 from framework.observe import runlog
-from framework.process import context as dev
 from framework.process import slurm, watchdog
+from framework.process.environment import choose_accelerator, env_rank, launched
 from framework.process.launch import Interrupted, WorkerFailed, check_devices, join_slurm_tasks, spawn
 
 register_configs()
@@ -70,7 +71,7 @@ def prepare_argv(argv: list[str] | None = None, conf_dir: Path | None = None) ->
     if untyped_overrides(view.overrides):
         _name_unknown_keys()
     join_slurm_tasks()  # the tasks of a plain `srun` step learn their ranks here, before Hydra runs
-    if dev.launched() and int(os.environ.get("RANK", "0")) > 0:
+    if launched() and env_rank() > 0:
         argv.extend(["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout"])
 
 
@@ -176,16 +177,15 @@ def _verbose(cfg: DictConfig) -> bool:
 def run(cfg: DictConfig) -> float | None:
     """Run one job from a composed config; return the monitored value (for sweepers)."""
     verbose = _verbose(cfg)
-    dev.quiet_deepspeed(verbose)
     output_dir = hydra_output_dir() or default_output_dir()
-    if dev.rank() == 0:
+    if env_rank() == 0:
         sweep.clear_status(Path(output_dir))
     try:
         value = launch_job(cfg, output_dir)
     except USER_ERRORS as exc:
         if verbose:
             traceback.print_exc()
-        return _fail(_explain(exc), show=dev.rank() == 0 or not isinstance(exc, ConfigError))
+        return _fail(_explain(exc), show=env_rank() == 0 or not isinstance(exc, ConfigError))
     except WorkerFailed as exc:
         return _fail(str(exc), show=not exc.printed)
     except Interrupted as exc:
@@ -208,7 +208,7 @@ def run(cfg: DictConfig) -> float | None:
         return _fail(failure, show=True)
     if preemption.saved_step() is not None:
         return _end_preempted(Path(output_dir))
-    if dev.rank() == 0:
+    if env_rank() == 0:
         sweep.write_status(Path(output_dir), "ok")
     return value
 
@@ -219,7 +219,7 @@ def _end_preempted(output_dir: Path) -> float:
     (and ends the process itself). A submitit job that is not requeued returns NaN instead, so
     submitit records a result and the sweep's summary (which reads the status written here)
     names it. A local sweep ends: the signal was for the whole process."""
-    main = dev.rank() == 0
+    main = env_rank() == 0
     requeue = preemption.submitit_requeue()
     if main:
         sweep.write_status(output_dir, "requeued" if requeue else "preempted")
@@ -277,12 +277,13 @@ def default_output_dir() -> str:
 def launch_job(cfg: DictConfig, output_dir: str) -> float | None:
     """Run the job here, in N local workers, or as one rank of a launcher's group."""
     join_slurm_tasks()
-    dev.select_accelerator(str(cfg.trainer.accelerator))
+    accelerator = choose_accelerator(str(cfg.trainer.accelerator))
+    deepspeed_globals.quiet(_verbose(cfg), accelerator)  # before DeepSpeed's first import says anything
     devices = int(cfg.trainer.devices)
     context = dict(sweep_context(), log_file=runlog.hydra_log_file())  # rank 0 copies its console there
-    if dev.launched() or devices == 1:
+    if launched() or devices == 1:
         return train(cfg, output_dir, context)
-    check_devices(devices)
+    check_devices(devices, accelerator)
     validate(cfg, world_size=devices)  # fail here, before starting workers
     container = OmegaConf.to_container(cfg, resolve=True)  # workers have no Hydra state
     value, report = spawn(
@@ -298,13 +299,13 @@ def worker_main(container: dict[str, Any], output_dir: str, context: dict[str, A
     whether it stopped for preemption (`preemption.report()`), returned to the launcher, which
     collects every worker's return value before the job ends, preempted or not."""
     cfg = OmegaConf.create(container)
-    dev.quiet_deepspeed(_verbose(cfg))
     try:
+        deepspeed_globals.quiet(_verbose(cfg), choose_accelerator(str(cfg.trainer.accelerator)))
         return train(cfg, output_dir, context), preemption.report()
     except USER_ERRORS as exc:
         if _verbose(cfg):
             traceback.print_exc()
-        if dev.rank() == 0 or not isinstance(exc, ConfigError):
+        if env_rank() == 0 or not isinstance(exc, ConfigError):
             print(f"Error: {_explain(exc)}", file=sys.stderr, flush=True)
         sys.exit(1)
     except RuntimeError as exc:
@@ -337,7 +338,7 @@ def peer_failure(exc: BaseException) -> str | None:
         return None
     first = text.splitlines()[0] if text else type(exc).__name__
     return (
-        f"rank {dev.rank()}: a collective with the other ranks failed ({type(exc).__name__}: {first}): another "
+        f"rank {env_rank()}: a collective with the other ranks failed ({type(exc).__name__}: {first}): another "
         f"rank stopped, died or is stuck (trainer.timeout_s bounds the wait){watchdog.end_stopped_peers()}"
     )
 

@@ -22,7 +22,7 @@ from framework.data.transfer import Copier
 from framework.engine.engine import Engine
 from framework.errors import ConfigError
 from framework.plan.strategy import Strategy
-from framework.process import context as dev
+from framework.process.context import ProcessContext
 
 
 class DistModel:
@@ -159,9 +159,9 @@ def shard_dataloader(
     collate_fn, num_workers and drop_last are kept."""
     if not isinstance(loader, DataLoader) or loader.batch_size is None:
         raise TypeError("shard_dataloader needs a torch DataLoader built with batch_size=...")
-    dev.init_process_group()
-    dp_size = engine.runtime.dp_size if engine is not None else dev.world_size()
-    dp_rank = engine.runtime.dp_rank if engine is not None else dev.rank()
+    process = ProcessContext.from_launcher() if engine is None else None  # no group needed to deal shares
+    dp_size = engine.runtime.dp_size if engine is not None else process.world_size  # type: ignore[union-attr]
+    dp_rank = engine.runtime.dp_rank if engine is not None else process.rank  # type: ignore[union-attr]
     if loader.batch_size % dp_size:
         raise ConfigError(
             f"the loader's batch_size {loader.batch_size} does not divide over {dp_size} data-parallel ranks; "
@@ -180,7 +180,7 @@ def shard_dataloader(
         loader.collate_fn,
         loader.num_workers,
     )
-    transfer = engine.transfer if engine is not None else Copier(dev.device())
+    transfer = engine.transfer if engine is not None else Copier(process.device)  # type: ignore[union-attr]
     return data_lib.DeviceLoader(sharded, transfer, epochs, None, prefetch, loader.batch_size)
 
 

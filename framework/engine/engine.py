@@ -41,8 +41,8 @@ from framework.observe.callbacks import Callback, CallbackList
 from framework.observe.metrics import Metrics
 from framework.observe.state import LoopState
 from framework.plan.strategy import Strategy
-from framework.process import context as dev
 from framework.process import watchdog
+from framework.process.context import ProcessContext
 
 
 class Engine:
@@ -65,6 +65,9 @@ class Engine:
         seed: seed of the data shuffling.
         prefetch: batches kept ready on the device ahead of the step.
         runtime: a `Runtime` made earlier (to build the model inside its ZeRO-3 context).
+        process: the job's `ProcessContext` (`ProcessContext.start(...)`), for several engines in
+            one job; without one the engine makes its own when it first needs it, or joins the
+            process group that exists, and `close()` ends what it made.
         label_key: the labels' key in dict batches (the model gets the rest as `model(**batch)`).
         output_key: the field of a dict / ModelOutput the loss and metrics read (default: `logits`
             when present, else the first tensor).
@@ -86,12 +89,14 @@ class Engine:
         seed: int = 0,
         prefetch: int = 2,
         runtime: Runtime | None = None,
+        process: ProcessContext | None = None,
         label_key: str = "labels",
         output_key: str | None = None,
     ):
         check_engine_arguments(model, loss, optimizer, metrics, scheduler)
         if runtime is None:
-            runtime = Runtime(strategy if isinstance(strategy, Strategy) else Strategy(**(strategy or {})))
+            strategy = strategy if isinstance(strategy, Strategy) else Strategy(**(strategy or {}))
+            runtime = Runtime(strategy, process)
         self.runtime = runtime
         self.module = model
         self.label_key, self.output_key = label_key, output_key
@@ -132,6 +137,8 @@ class Engine:
         """Call it to run the forward pass (see the class doc)."""
         return self.runtime.forward
 
+    process = property(lambda self: self.runtime.process, doc="The job's `ProcessContext`.")
+
     @property
     def deepspeed_config(self) -> dict[str, Any] | None:
         """The config dict DeepSpeed received."""
@@ -169,9 +176,9 @@ class Engine:
             self.runtime.fix_layout(batch_size)
         if not self.runtime.ready:
             self.runtime.initialize(self.module, self.optimizer_spec if has_optimizer else None, self.loss)
-            self.metrics.to(dev.device())
+            self.metrics.to(self.runtime.device)
             if isinstance(getattr(self.loss, "fn", None), nn.Module):
-                self.loss.fn.to(dev.device())
+                self.loss.fn.to(self.runtime.device)
         if mode == "train" and self._scheduled_for is None:
             self.schedule(self.total_steps)
         self._prepared.add(mode)
@@ -229,7 +236,7 @@ class Engine:
         cfg = fit_config(config, options)
         check_dataset(train_data, "train_data")
         check_dataset(valid_data, "valid_data", optional=True)
-        with watchdog.watching(cfg.timeout_s, dev.rank()):
+        with watchdog.watching(cfg.timeout_s, self.runtime.process.rank):
             return loops.fit(self, train_data, valid_data, cfg, callbacks or ())
 
     def evaluate(
@@ -293,15 +300,16 @@ class Engine:
         )
 
     def close(self) -> None:
-        """End the distributed setup this process made (its process group); a script that does
-        not call it gets the same at exit. Also `with Engine(...) as engine:`."""
-        dev.destroy_process_group()
+        """End the distributed setup this engine made (its process context and group; nothing for
+        a context it was given); a script that does not call it gets the same at exit. Also
+        `with Engine(...) as engine:`."""
+        self.runtime.close()
 
     def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        dev.destroy_process_group(sync=exc[0] is None)
+        self.runtime.close(sync=exc[0] is None)
 
     # ------------------------------------------------------------------ weights and checkpoints
     def save(self, path: str, training: bool = True) -> str:
@@ -318,7 +326,7 @@ class Engine:
     def load(self, path: str) -> None:
         """Load what `save` wrote: a checkpoint (dir) restores weights, optimizer and loop state;
         a weights file restores the weights."""
-        found = checkpoint.newest(path) if Path(path).is_dir() else None
+        found = checkpoint.newest(path, self.runtime.process) if Path(path).is_dir() else None
         if not self.runtime.ready:
             if found is not None:  # ZeRO partitions of another data-parallel size: DeepSpeed must know
                 self.runtime.load_universal = checkpoint.needs_universal(found, self.runtime.mesh)

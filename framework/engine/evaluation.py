@@ -27,8 +27,8 @@ from framework.errors import ConfigError
 from framework.observe.callbacks import CallbackList
 from framework.observe.metrics import Metrics
 from framework.observe.state import LoopState
-from framework.process import context as dev
 from framework.process import watchdog
+from framework.process.context import ProcessContext
 
 
 class Host(Protocol):
@@ -123,12 +123,12 @@ def evaluate(
             if batch_loss is not None:
                 loss_sum, count = loss_sum + batch_loss.detach().float() * unpadded, count + unpadded
                 losses.add(batch_loss)
-    totals = dev.all_gather_object((float(loss_sum), count))
+    totals = runtime.process.all_gather_object((float(loss_sum), count))
     total_count = sum(c for _, c in totals)
     result = {"loss": sum(s for s, _ in totals) / total_count} if total_count else {}
     result.update(host.metrics.eval.compute())
     host.metrics.eval.reset()
-    finite.check_validation(result, losses)
+    finite.check_validation(result, losses, runtime.process)
     return result
 
 
@@ -154,11 +154,14 @@ def _evaluate_pipeline(
         losses = [runtime.eval_batch(batches) for _ in range(calls)]
     finally:
         source.close()
-    result = {"loss": dev.all_reduce_mean(float(torch.stack(losses).float().mean()))} if losses else {}
+    mean = runtime.process.all_reduce_mean
+    result = {"loss": mean(float(torch.stack(losses).float().mean()))} if losses else {}
     seen = finite.BatchLosses()
     for loss in losses:
         seen.add(loss)
-    finite.check_validation(result, seen)  # a NaN/inf validation loss names its first batch here too
+    finite.check_validation(
+        result, seen, runtime.process
+    )  # a NaN/inf validation loss names its first batch here too
     return result
 
 
@@ -195,13 +198,15 @@ def predict(
         unpadded = int(sum(pulled))  # an evaluation shard pads only its last batches: real samples first
         if outputs is not None and unpadded:
             mine.append(map_tensors(lambda t: t.detach().cpu(), take(outputs, unpadded)))
-    return _in_dataset_order(mine, batch_size, host.runtime.mesh.mp_size)
+    return _in_dataset_order(mine, batch_size, host.runtime.process, host.runtime.mesh.mp_size)
 
 
-def _in_dataset_order(mine: list[Any], batch_size: int, mp_size: int = 1) -> list[Any]:
+def _in_dataset_order(
+    mine: list[Any], batch_size: int, process: ProcessContext, mp_size: int = 1
+) -> list[Any]:
     """Every data-parallel replica's outputs interleaved back into dataset order, cut into global
     batches (the `mp_size` tensor-parallel ranks of a replica hold the same outputs: one counts)."""
-    shards = [concat(s) if s else None for s in dev.all_gather_object(mine)][::mp_size]
+    shards = [concat(s) if s else None for s in process.all_gather_object(mine)][::mp_size]
     present = [s for s in shards if s is not None]
     if not present:
         return []

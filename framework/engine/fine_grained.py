@@ -179,7 +179,13 @@ def run_one(host: Host, batch: Any, mode: str, unpadded: int) -> dict[str, Any]:
         weights = None
         if call is None:  # the framework's step: the loss over the whole global batch's items
             weights = step_weights(
-                micros, host.loss, host.module, host.label_key, runtime.mesh, runtime.strategy.sharding.stage
+                micros,
+                host.loss,
+                host.module,
+                host.label_key,
+                runtime.mesh,
+                runtime.strategy.sharding.stage,
+                runtime.process.collective_device,
             )
         losses = []
         for i, micro in enumerate(micros):

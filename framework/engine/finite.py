@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from framework.errors import NonFiniteLoss
-from framework.process import context as dev
+from framework.process.context import ProcessContext
 
 
 class BatchLosses:
@@ -43,13 +43,13 @@ def _not_finite(value: Any) -> bool:
         return False
 
 
-def check_validation(result: dict[str, Any], losses: BatchLosses) -> None:
+def check_validation(result: dict[str, Any], losses: BatchLosses, process: ProcessContext) -> None:
     """Collective (every rank holds the same `result`): raise NonFiniteLoss when a validation
     value is NaN or inf, naming the first batch and rank whose loss was, and what to check."""
     bad = [name for name, value in result.items() if _not_finite(value)]
     if not bad:
         return
-    firsts = dev.all_gather_object(losses.first_bad())
+    firsts = process.all_gather_object(losses.first_bad())
     where = next(((rank, index) for rank, index in enumerate(firsts) if index is not None), None)
     shown = ", ".join(f"{name}={float(result[name])}" for name in bad)
     located = (

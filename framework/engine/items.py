@@ -34,7 +34,6 @@ from framework.backend import sequence_parallel
 from framework.data.outputs import is_model_loss, split
 from framework.integrations.hf import predicts_next_token
 from framework.plan.run_plan import Mesh
-from framework.process import context as dev
 
 IGNORE_INDEX = -100
 
@@ -84,13 +83,20 @@ def _items_of(batch: Any, loss: Any, module: Any, label_key: str) -> torch.Tenso
 
 
 def step_weights(
-    micro_batches: Sequence[Any], loss: Any, module: Any, label_key: str, mesh: Mesh, zero_stage: int = 0
+    micro_batches: Sequence[Any],
+    loss: Any,
+    module: Any,
+    label_key: str,
+    mesh: Mesh,
+    zero_stage: int = 0,
+    device: torch.device | None = None,
 ) -> list[torch.Tensor] | None:
     """One weight per micro-batch of an optimizer step on this rank (see the module doc), or
     None when the loss needs none. Tensor-parallel ranks hold the same items (counted once);
     sequence-parallel ranks each count their slice (`framework.backend.sequence_parallel`, whose
     `gradient_share` corrects ZeRO 0-2's gradient sum over them). Collective over all ranks:
-    every rank calls it once per optimizer step, with the same number of micro-batches."""
+    every rank calls it once per optimizer step, with the same number of micro-batches; the count
+    is reduced on `device` (the process context's collective device; the CPU when None)."""
     ranks, copies = mesh.dp_size * mesh.sp_size, mesh.tp_size  # whose losses add up; who holds an item
     if mesh.sp_size > 1:
         micro_batches = [sequence_parallel.shard(batch, mesh, label_key) for batch in micro_batches]
@@ -98,7 +104,7 @@ def step_weights(
     if not counts or any(c is None for c in counts):
         return None
     local = torch.stack([c for c in counts if c is not None])
-    total = local.sum().to(dev.collective_device())
+    total = local.sum().to(device or torch.device("cpu"))
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         torch.distributed.all_reduce(total)
     total = (total.to(local.device) / copies).clamp_min(1.0)

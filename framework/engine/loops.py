@@ -28,8 +28,8 @@ from framework.observe.loggers import ConsoleLogger
 from framework.observe.state import LoopState
 from framework.observe.throughput import Speedometer
 from framework.plan.run_plan import Budget, RunPlan, step_budget
-from framework.process import context as dev
 from framework.process import watchdog
+from framework.process.context import ProcessContext
 
 # A step that pulls no batch this many times in a row would never end an epoch.
 MAX_IDLE_CALLS = 10_000
@@ -45,7 +45,7 @@ def plan_fit(host: Host, train_data: Any, cfg: FitConfig) -> tuple[RunPlan, Any]
         collate_fn=cfg.collate_fn, num_workers=cfg.num_workers,
     )  # fmt: skip
     budget = step_budget(layout, len(loader), cfg.epochs, cfg.steps_per_epoch, cfg.max_steps)
-    resume_from = checkpoint.resolve(cfg.resume, cfg.save_dir) if cfg.resume else None
+    resume_from = checkpoint.resolve(cfg.resume, cfg.save_dir, runtime.process) if cfg.resume else None
     universal = resume_from is not None and checkpoint.needs_universal(resume_from, runtime.mesh)
     dtype = str(runtime.compute_dtype).removeprefix("torch.")
     plan = RunPlan(runtime.mesh, layout, budget, dtype, str(resume_from) if resume_from else None, universal)
@@ -80,9 +80,8 @@ def fit(
         _epochs(host, events, loader, valid_data, cfg, plan.budget, start, speed)
     except NonFiniteLoss as exc:  # checkpoints whose weights give this NaN must not be resumed
         if exc.step is not None:
-            checkpoint.mark_bad(
-                st.poisoned_checkpoints(exc.step), f"its weights gave a NaN/inf loss at step {exc.step}"
-            )
+            why = f"its weights gave a NaN/inf loss at step {exc.step}"
+            checkpoint.mark_bad(st.poisoned_checkpoints(exc.step), why, runtime.process)
         raise
     finally:
         runtime.timer = None
@@ -140,7 +139,7 @@ def _start_run(host: Host, cfg: FitConfig, plan: RunPlan) -> None:
     st.info.model_name = type(runtime.module).__name__
     st.info.parameters = runtime.parameters
     st.info.strategy, st.info.world_size = runtime.strategy.describe(), runtime.world_size
-    st.info.device_type, st.info.deepspeed_config = dev.device().type, dict(runtime.config or {})
+    st.info.device_type, st.info.deepspeed_config = runtime.device.type, dict(runtime.config or {})
 
 
 def _fit_callbacks(
@@ -149,11 +148,8 @@ def _fit_callbacks(
     """This fit's callbacks: the engine's, the call's, then the checkpoint manager (last, so a
     checkpoint includes this step's records); their `Control`."""
     events = CallbackList([*host.callbacks.callbacks, *extra])
-    if (
-        cfg.progress
-        and dev.is_main_process()
-        and not any(isinstance(c, ConsoleLogger) for c in events.callbacks)
-    ):
+    shown = any(isinstance(c, ConsoleLogger) for c in events.callbacks)
+    if cfg.progress and host.runtime.process.is_main and not shown:
         events.extend(
             [ConsoleLogger()]
         )  # Engine.fit shows what the CLI shows (Paddle and Lightning print too)
@@ -292,8 +288,9 @@ def _epoch_logs(host: Host, pending: list[Any]) -> dict[str, Any]:
     for loss in pending:  # an accumulation the epoch ended in the middle of
         st.window_loss.add(loss, st.global_step)
         st.epoch_loss.add(loss, st.global_step)
-    _reduced_window_loss(st)
-    logs: dict[str, Any] = {"loss": dev.all_reduce_mean(st.epoch_loss.mean()), "lr": host.runtime.lr}
+    _reduced_window_loss(st, host.runtime.process)
+    mean = host.runtime.process.all_reduce_mean
+    logs: dict[str, Any] = {"loss": mean(st.epoch_loss.mean()), "lr": host.runtime.lr}
     logs.update(host.metrics.train.compute())
     return logs
 
@@ -359,21 +356,21 @@ def _after_step(
     st.log_now = st.global_step > applied_before and st.global_step % max(1, log_freq) == 0
     st.logs = {"batches": st.batches_in_epoch, "lr": runtime.lr}
     if st.log_now:
-        st.logs["loss"] = _reduced_window_loss(st)
+        st.logs["loss"] = _reduced_window_loss(st, runtime.process)
         if st.skipped_steps:
             st.logs["skipped_steps"] = st.skipped_steps
         if speed is not None:
             st.logs.update(speed.logs(st.global_step))
 
 
-def _reduced_window_loss(st: LoopState) -> float:
+def _reduced_window_loss(st: LoopState, process: ProcessContext) -> float:
     """The mean loss since the last logging point over all ranks (one device read); NaN/inf
     there raises NonFiniteLoss on every rank, naming the first step it appeared at."""
     bad = st.first_bad_loss()
-    value = dev.all_reduce_mean(st.window_loss.mean())
+    value = process.all_reduce_mean(st.window_loss.mean())
     st.window_loss.reset()
     if bad is not None or not math.isfinite(value):
-        step = dev.all_reduce_min(bad[0] if bad else st.global_step)
+        step = process.all_reduce_min(bad[0] if bad else st.global_step)
         raise st.non_finite_error(step, bad[1] if bad else value)
     return value
 
@@ -387,12 +384,13 @@ def _train_step_caller(host: Host, batches: data_lib.BatchIterator) -> Callable[
         return lambda: call(host, batches)
     rt = host.runtime
     acc, stage = rt.strategy.accumulation_steps, rt.strategy.sharding.stage
+    device = rt.process.collective_device
     weights: list[Any] = []
 
     def default_step() -> Any:
         if not weights:  # an optimizer step begins: count the items of its global batch
             group = batches.peek_many(acc)
-            found = step_weights(group, host.loss, host.module, host.label_key, rt.mesh, stage)
+            found = step_weights(group, host.loss, host.module, host.label_key, rt.mesh, stage, device)
             weights.extend(found or [None] * len(group))
         batch = next(batches)
         return default_train_step(host, batch, weights.pop(0))

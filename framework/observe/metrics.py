@@ -12,8 +12,6 @@ from typing import Any
 
 import torch
 
-from framework.process import context as dev
-
 IGNORE_INDEX = -100  # a label that does not count (Hugging Face's, and torch's cross-entropy's)
 
 
@@ -48,11 +46,13 @@ class Accuracy(torch.nn.Module):
         self.total += counted.sum()
 
     def compute(self) -> torch.Tensor:
-        """Correct / total over every rank."""
+        """Correct / total over every rank (summed where the group's backend wants it: on this
+        rank's GPU under nccl, on the CPU under gloo)."""
         import torch.distributed as dist
 
-        counts = torch.stack([self.correct, self.total]).to(dev.collective_device())
+        counts = torch.stack([self.correct, self.total])
         if dist.is_initialized() and dist.get_world_size() > 1:
+            counts = counts if dist.get_backend() == "nccl" else counts.cpu()
             dist.all_reduce(counts)
         return counts[0].float() / counts[1].clamp(min=1).float()
 

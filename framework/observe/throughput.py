@@ -127,10 +127,8 @@ class Speedometer:
     """Throughput, MFU and phase times per logging interval of one `fit`."""
 
     def __init__(self, runtime: Any, global_batch_size: int, peak_tflops: float | None = None):
-        from framework.process import context as dev
-
         self.runtime, self.global_batch = runtime, global_batch_size
-        self.cuda = dev.cuda_available()
+        self.cuda = runtime.cuda
         self.timer = PhaseTimer(self.cuda)
         runtime.timer = self.timer
         self.tokens: int | None = None  # per sample
@@ -139,15 +137,15 @@ class Speedometer:
         self.measured = False
         self._counter: Any = None  # a FlopCounterMode while the first optimizer step is counted
         self._counted, self._count_from = 0, 0
-        self.peak = peak_tflops * 1e12 if peak_tflops else self._device_peak(dev)
+        self.peak = peak_tflops * 1e12 if peak_tflops else self._device_peak()
         self.since, self.steps_at = time.perf_counter(), 0
-        self._over_peak_said = not dev.is_main_process()
+        self._over_peak_said = not runtime.process.is_main
 
-    def _device_peak(self, dev: Any) -> float | None:
+    def _device_peak(self) -> float | None:
         """The GPU's peak from the table; None on a CPU (see the module doc)."""
         if not self.cuda:
             return None
-        name = torch.cuda.get_device_name(dev.device())
+        name = torch.cuda.get_device_name(self.runtime.device)
         return gpu_peak(name, self.runtime.compute_dtype, torch.backends.cuda.matmul.allow_tf32)
 
     def measure(self, batch: Any, step: int) -> None:

@@ -1,8 +1,20 @@
-"""Device, backend and process-group handling: the one place that knows CUDA from CPU.
+"""The process context: who this process is in its job and where it computes, as one object.
 
-Everything else asks this module for `device()`, `backend()`, `rank()` and friends, so a
-run is correct on CUDA (nccl, one GPU per local rank) and on a laptop CPU (gloo, DeepSpeed's
-CPU accelerator) without a branch anywhere else.
+A `ProcessContext` is made once per job, at launch (`ProcessContext.start`: the CLI makes one per
+Hydra job, an Engine without one makes its own), and handed to what needs it: the runtime, the
+loops, the checkpoint code. It holds the rank, the world, the local rank, the accelerator, the
+device and the collective backend, the process groups (the default one and a slow one for long
+waits), the small collectives the framework makes, and the teardown that restores what it changed
+(the environment a launcher-less process needs, LOCAL_RANK for one GPU per task). Nothing here is
+kept in module globals, and importing the framework changes no environment variable.
+
+It is the one place that knows CUDA from CPU: a run is correct on CUDA (nccl, one GPU per local
+rank) and on a laptop CPU (gloo) without a branch anywhere else. DeepSpeed's side of the same
+decisions (its accelerator, its communication backend, its cached groups) is kept in step by
+`framework.backend.deepspeed_globals`, which registers its teardown with `on_close`.
+
+Before a context exists (the command line deciding who prints an error), only what a launcher
+put in the environment is known (`framework.process.environment`).
 """
 
 from __future__ import annotations
@@ -10,375 +22,305 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
-import io
-import logging
 import os
 import socket
 import sys
-import warnings
-from collections.abc import Iterator
+from collections.abc import Callable
+from types import TracebackType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from framework.backend import deepspeed_globals
 from framework.process import watchdog
 from framework.process.allocator import tune_host_allocator
-
-# Environment variables this process set itself for a launcher-less single process; removed on teardown.
-_owned_env: list[str] = []
-_replaced_env: dict[str, str] = {}  # launcher values this process overwrote; restored on teardown
-_we_initialized = False
-_accelerator: str | None = None  # "cuda" or "cpu", once decided
-
-
-def _gpu_present() -> bool:
-    return os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/nvidia0")
-
-
-def select_accelerator(choice: str = "auto") -> str:
-    """Decide where this process computes, once, and tell DeepSpeed the same (DS_ACCELERATOR).
-
-    auto: CUDA when torch sees a GPU, unless DS_ACCELERATOR=cpu says otherwise (a GPU this torch
-    cannot use is said in one line); cpu: the CPU even on a GPU machine; cuda: CUDA, or a
-    ConfigError when torch sees none. Call it before DeepSpeed is first used."""
-    global _accelerator
-    from framework.errors import ConfigError
-
-    if choice not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"trainer.accelerator={choice}: use auto, cpu or cuda")
-    if choice == "cuda" and not torch.cuda.is_available():
-        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
-        raise ConfigError(
-            f"trainer.accelerator=cuda, but torch {torch.__version__} ({build}) sees no CUDA device; "
-            "install a CUDA build of torch, check CUDA_VISIBLE_DEVICES, or use trainer.accelerator=cpu"
-        )
-    if choice == "auto":
-        choice = "cuda" if torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR") != "cpu" else "cpu"
-        if choice == "cpu" and not torch.cuda.is_available() and _gpu_present() and _accelerator is None:
-            if int(os.environ.get("RANK", "0")) == 0:
-                print(
-                    f"accelerator: this machine has a GPU but torch {torch.__version__} cannot use it; training "
-                    "on the CPU (install a CUDA build of torch, or set trainer.accelerator=cpu to silence this)",
-                    file=sys.stderr,
-                )
-    if _accelerator is not None and choice != _accelerator and "deepspeed" in sys.modules:
-        raise ConfigError(f"trainer.accelerator={choice} comes after DeepSpeed started on {_accelerator}")
-    _accelerator = choice
-    os.environ["DS_ACCELERATOR"] = choice
-    deepspeed_globals.use_accelerator(choice)
-    return choice
-
-
-def cuda_available() -> bool:
-    """True when this process trains on CUDA devices (see `select_accelerator`)."""
-    return (_accelerator or select_accelerator()) == "cuda"
-
-
-def configure_environment() -> None:
-    """Set the environment DeepSpeed reads at import/first use. Importing `framework` calls it."""
-    # Torch extensions (shm comm op) are never needed for gloo training; see init_process_group.
-    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-
-_tf32_set = False
-
-
-def use_tf32(enabled: bool = True) -> None:
-    """TF32 matmuls and cuDNN convolutions on Ampere and newer GPUs (fp32 training at tensor-core
-    speed, ~10 bits of mantissa in products); nothing on other devices."""
-    global _tf32_set
-    _tf32_set = True
-    if cuda_available() and torch.cuda.get_device_capability(device())[0] >= 8:
-        torch.backends.cuda.matmul.allow_tf32 = enabled
-        torch.backends.cudnn.allow_tf32 = enabled
-
-
-def backend() -> str:
-    """The collective backend: nccl on CUDA, gloo otherwise."""
-    return "nccl" if cuda_available() else "gloo"
-
-
-def launched() -> bool:
-    """True when a launcher (torchrun, deepspeed, srun wrapper) already set the rank variables."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def rank() -> int:
-    """Global rank (0 before the process group exists)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", 0))
-
-
-def world_size() -> int:
-    """Number of processes in the job (1 before the process group exists)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", 1))
-
-
-def local_world_size() -> int:
-    """Processes of this job on this machine, as the launcher set them (torchrun, submitit:
-    LOCAL_WORLD_SIZE; DeepSpeed's launcher: LOCAL_SIZE); the whole world when none says."""
-    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
-        if os.environ.get(key, "").isdigit():
-            return int(os.environ[key])
-    return world_size()
-
-
-def local_rank() -> int:
-    """Rank of this process on its machine (as the launcher said, see `_share_device_index`)."""
-    return int(_replaced_env.get("LOCAL_RANK", os.environ.get("LOCAL_RANK", 0)))
-
-
-def is_main_process() -> bool:
-    """True on global rank 0: the only rank that writes logs, metrics and summaries."""
-    return rank() == 0
-
-
-def device() -> torch.device:
-    """The device this rank computes on: GPU LOCAL_RANK modulo the GPUs this process sees (one
-    GPU per Slurm task sees only its own), the same index DeepSpeed is given (`device_index`)."""
-    if cuda_available():
-        return torch.device("cuda", local_rank() % torch.cuda.device_count())
-    return torch.device("cpu")
-
-
-def device_index() -> int:
-    """This rank's device index, as handed to DeepSpeed (`args.device_rank`)."""
-    return device().index or 0
-
-
-def _share_device_index() -> None:
-    """DeepSpeed also reads LOCAL_RANK as a device index (init_process_group's device_id,
-    zero.Init, pipeline and ZeRO helpers): a process that sees fewer GPUs than its local rank
-    (one GPU per Slurm task) would make it name a device that does not exist ("invalid device
-    ordinal"). DeepSpeed is told the index chosen here; the launcher's value comes back on teardown."""
-    if cuda_available() and local_rank() != device_index():
-        _replaced_env.setdefault("LOCAL_RANK", os.environ["LOCAL_RANK"])
-        os.environ["LOCAL_RANK"] = str(device_index())
-
-
-def collective_device() -> torch.device:
-    """Where small tensors for collectives live: this rank's GPU under nccl, the CPU under gloo."""
-    return device() if backend() == "nccl" else torch.device("cpu")
-
-
-def local_device_count() -> int:
-    """How many worker processes this machine can host usefully (GPUs, else CPU cores)."""
-    if cuda_available():
-        return torch.cuda.device_count()
-    return os.cpu_count() or 1
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on this machine."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def quiet_deepspeed(verbose: bool = False) -> None:
-    """Hide DeepSpeed's INFO/WARNING chatter and torch.distributed's per-step deprecation warnings."""
-    if verbose:
-        return
-    for name in ("DeepSpeed", "deepspeed", "torch.distributed", "torch.distributed.elastic"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    with contextlib.suppress(Exception):
-        from deepspeed.utils import set_log_level_from_string
-
-        set_log_level_from_string("error")
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed.*")
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed.*")
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"deepspeed.*")
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"deepspeed.*")
-    warnings.filterwarnings("ignore", message=".*set_vital.*")
-    # DeepSpeed's pipeline broadcasts tied weights through autograd; torch warns on every backward.
-    warnings.filterwarnings("ignore", message=".*autograd kernel was not registered.*")
-
-
-def init_process_group(timeout_s: float = 300.0) -> None:
-    """Join (or create) the process group for this job; a no-op if it already exists.
-
-    A single process started without a launcher gets the five rendezvous variables
-    DeepSpeed needs (else it tries MPI discovery), on a fresh free port.
-    """
-    global _we_initialized
-    if dist.is_initialized():
-        return
-    if not launched():
-        defaults = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
-        defaults["MASTER_PORT"] = str(free_port())
-        for key, value in defaults.items():
-            if key not in os.environ:
-                os.environ[key] = value
-                _owned_env.append(key)
-    if cuda_available():
-        _share_device_index()
-        torch.cuda.set_device(device())
-        if not _tf32_set:
-            use_tf32(True)
-    tune_host_allocator(cuda_available())
-    if not cuda_available() and "LOCAL_SIZE" not in os.environ:
-        # DeepSpeed's CPU accelerator counts its devices from LOCAL_SIZE (its launcher sets it) and
-        # otherwise runs `numactl` in a subprocess, which ZeRO-3 does for every gradient bucket.
-        os.environ["LOCAL_SIZE"] = str(local_world_size())
-        _owned_env.append("LOCAL_SIZE")
-    import deepspeed
-    import deepspeed.ops
-
-    # The shared-memory comm op is only used by AutoTP inference; marking it incompatible avoids a
-    # ~45 s JIT build. Setting the table directly also skips DeepSpeed's probe of every op
-    # (compiler subprocesses on first access); the comm backend is its only reader.
-    vars(deepspeed.ops).setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
-    if not dist.is_initialized() and world_size() == 1:
-        # One process talks to nobody: an in-memory store, no port that another program could hold.
-        dist.init_process_group(
-            backend(),
-            store=dist.HashStore(),
-            rank=0,
-            world_size=1,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
-    with contextlib.redirect_stdout(io.StringIO()):
-        deepspeed.init_distributed(
-            dist_backend=backend(),
-            auto_mpi_discovery=False,
-            verbose=False,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
-    _we_initialized = True
-    if world_size() > 1:
-        _slow()  # every rank makes it now, together (creating a group is collective)
-        # Which process each rank is, so a watchdog can name (and end) a stopped peer on its host.
-        watchdog.set_peers(all_gather_object((socket.gethostname(), os.getpid())))
-    _tear_down_at_exit()
-
-
-_exit_hook_installed = False
-_failed = False
-
-
-def _tear_down_at_exit() -> None:
-    """A script that ends without destroying the group still exits cleanly (a 2-rank gloo exit
-    without it can SIGABRT): the group is destroyed at interpreter exit, waiting for the other
-    ranks only if this one did not die of an exception."""
-    global _exit_hook_installed
-    if _exit_hook_installed:
-        return
-    _exit_hook_installed = True
-    previous = sys.excepthook
-
-    def note_failure(*args: Any) -> None:
-        global _failed
-        _failed = True
-        previous(*args)
-
-    sys.excepthook = note_failure
-    atexit.register(lambda: destroy_process_group(sync=not _failed))
-
-
-def destroy_process_group(sync: bool = True, timeout_s: float = 30.0) -> None:
-    """Tear down a group this module created (a 2-rank gloo exit without it can SIGABRT).
-
-    `sync` (gloo): first wait, at most `timeout_s`, until every rank is here, so that no rank
-    exits and drops connections another rank's gloo threads still use (that too can SIGABRT the
-    slower rank). After a failure pass sync=False: the other ranks may sit in a collective, and
-    waiting for them would only delay the exit.
-    """
-    global _we_initialized
-    global _slow_group
-    _slow_group = None
-    if _we_initialized and dist.is_initialized():
-        if sync and dist.get_backend() == "gloo" and dist.get_world_size() > 1:
-            with contextlib.suppress(RuntimeError):  # a rank that never came: tear down anyway
-                dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s))
-        dist.destroy_process_group()
-        deepspeed_globals.forget_groups()
-    _we_initialized = False
-    while _owned_env:
-        os.environ.pop(_owned_env.pop(), None)
-    os.environ.update(_replaced_env)
-    _replaced_env.clear()
-
+from framework.process.environment import (
+    choose_accelerator,
+    env_local_world_size,
+    env_rank,
+    env_world_size,
+    free_port,
+    launched,
+    use_tf32,
+)
 
 # Waits on long work of one rank (rank 0 hashing, fsyncing, converting a large checkpoint) go
 # through a gloo group without a practical timeout: under nccl the default group's watchdog would
 # end the job while the other ranks wait, though nothing is stuck (the watchdog module covers that).
 SLOW_WAIT = datetime.timedelta(hours=12)
-_slow_group: Any = None
 
 
-def _slow() -> Any:
-    global _slow_group
-    if _slow_group is None:
-        _slow_group = dist.new_group(backend="gloo", timeout=SLOW_WAIT)
-    return _slow_group
+# ------------------------------------------------------------------ the context
 
 
-def barrier(slow: bool = False) -> None:
-    """Wait until every rank is here (nothing without a group of more than one). `slow`: a wait
-    on one rank's long work (see SLOW_WAIT)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier(group=_slow() if slow else None)
+class ProcessContext:
+    """This process in its job: rank, world, device, backend, groups, collectives, teardown.
 
+    Make it with `ProcessContext.start(...)` (which joins or creates the process group) and close
+    it when the job ends (`close()`, or use it as a context manager); a context that found a group
+    already there (made by another context of this process, or by the user) leaves that group alone
+    when it closes. The attributes are fixed for its life."""
 
-def broadcast_object(obj: Any, src: int = 0, slow: bool = False) -> Any:
-    """Rank `src`'s `obj` on every rank (identity without a group); `slow` as for `barrier`."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src, group=_slow() if slow else None)
-    return box[0]
+    def __init__(
+        self,
+        accelerator: str,
+        rank: int = 0,
+        world_size: int = 1,
+        local_rank: int = 0,
+        local_world_size: int = 1,
+        timeout_s: float = 300.0,
+    ):
+        self.accelerator = accelerator  # "cuda" or "cpu"
+        self.rank, self.world_size = rank, world_size
+        self.local_rank, self.local_world_size = local_rank, local_world_size  # as the launcher said
+        self.timeout_s = float(timeout_s)
+        self.owns_group = False  # this context created the default process group (and destroys it)
+        self._owned_env: list[str] = []  # variables this context set; removed on close
+        self._replaced_env: dict[str, str] = {}  # launcher values it overwrote; restored on close
+        self._slow_group: Any = None
+        self._on_close: list[Callable[[], None]] = []
+        self._failed = False  # an exception reached the interpreter while this context was open
+        self._previous_hook: Any = None
+        self._hook: Any = None
+        self._world: Any = None  # the default process group this context runs in
+        self.closed = False
 
+    # -------------------------------------------------------------- making one
+    @classmethod
+    def from_launcher(cls, accelerator: str = "auto") -> ProcessContext:
+        """This process as its launcher's environment describes it, without joining a group (for
+        what only needs to know who it is: a loader's share of the data, the device)."""
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        return cls(
+            choose_accelerator(accelerator), env_rank(), env_world_size(), local, env_local_world_size()
+        )
 
-def all_gather_object(obj: Any) -> list[Any]:
-    """Every rank's `obj`, in rank order."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+    @classmethod
+    def start(cls, accelerator: str = "auto", timeout_s: float = 300.0, tf32: bool = True) -> ProcessContext:
+        """Join (or create) this job's process group and return its context.
 
+        A single process started without a launcher gets the five rendezvous variables DeepSpeed
+        reads (else it tries MPI discovery) and an in-memory store (no port another program could
+        hold); launched processes join through the launcher's variables (`env://`)."""
+        choice = choose_accelerator(accelerator)
+        ctx = cls(choice, env_rank(), env_world_size(), int(os.environ.get("LOCAL_RANK", 0)), 1, timeout_s)
+        if dist.is_initialized():  # another context's, or the user's: use it, leave it be
+            ctx.rank, ctx.world_size = dist.get_rank(), dist.get_world_size()
+            ctx.local_world_size = env_local_world_size() if launched() else ctx.world_size
+            ctx._world = dist.group.WORLD
+            return ctx
+        ctx._set_up_environment()
+        ctx.local_world_size = env_local_world_size()
+        if ctx.cuda:
+            ctx._share_device_index()
+            torch.cuda.set_device(ctx.device)
+            use_tf32(tf32)
+        tune_host_allocator(ctx.cuda)
+        ctx._create_group()
+        ctx.rank, ctx.world_size = dist.get_rank(), dist.get_world_size()
+        ctx.owns_group, ctx._world = True, dist.group.WORLD
+        if ctx.world_size > 1:
+            ctx._slow()  # every rank makes it now, together (creating a group is collective)
+            # Which process each rank is, so a watchdog can name (and end) a stopped peer on its host.
+            watchdog.set_peers(ctx.all_gather_object((socket.gethostname(), os.getpid())))
+        ctx._tear_down_at_exit()
+        return ctx
 
-def all_reduce_mean(value: float) -> float:
-    """Mean of a Python float over ranks."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=collective_device())
-    dist.all_reduce(t)
-    return float(t.item()) / dist.get_world_size()
+    def _set_env(self, key: str, value: str) -> None:
+        if key not in os.environ:
+            os.environ[key] = value
+            self._owned_env.append(key)
 
+    def _set_up_environment(self) -> None:
+        if not launched():
+            for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+                self._set_env(key, value)
+            self._set_env("MASTER_ADDR", "127.0.0.1")
+            self._set_env("MASTER_PORT", str(free_port()))
+        if self.cuda:
+            self._set_env("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # a failed collective ends the job
+        else:
+            # DeepSpeed's CPU accelerator counts its devices from LOCAL_SIZE (its launcher sets it) and
+            # otherwise runs `numactl` in a subprocess, which ZeRO-3 does for every gradient bucket.
+            self._set_env("LOCAL_SIZE", str(env_local_world_size()))
 
-def all_reduce_min(value: int) -> int:
-    """The smallest of every rank's integer."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())
+    def _create_group(self) -> None:
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        if env_world_size() == 1:
+            dist.init_process_group(
+                self.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            )
+            return
+        kwargs: dict[str, Any] = {"init_method": "env://", "timeout": timeout}
+        if self.cuda:  # bound to its device: nccl builds later groups by splitting this one
+            kwargs["device_id"] = self.device
+        dist.init_process_group(self.backend, **kwargs)
 
+    def _share_device_index(self) -> None:
+        """DeepSpeed also reads LOCAL_RANK as a device index (zero.Init, pipeline and ZeRO helpers):
+        a process that sees fewer GPUs than its local rank (one GPU per Slurm task) would make it
+        name a device that does not exist ("invalid device ordinal"). DeepSpeed is told the index
+        chosen here; the launcher's value comes back on close."""
+        if self.cuda and self.local_rank != self.device_index:
+            self._replaced_env.setdefault("LOCAL_RANK", os.environ.get("LOCAL_RANK", str(self.local_rank)))
+            os.environ["LOCAL_RANK"] = str(self.device_index)
 
-def any_rank(flag: bool) -> bool:
-    """True on every rank when `flag` is True on at least one."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    # -------------------------------------------------------------- facts
+    @property
+    def alive(self) -> bool:
+        """True while this context is open and its process group is the process's default one."""
+        return not self.closed and self._in_its_group()
 
+    @property
+    def cuda(self) -> bool:
+        """True when this process trains on CUDA devices."""
+        return self.accelerator == "cuda"
 
-@contextlib.contextmanager
-def process_group(timeout_s: float = 300.0) -> Iterator[None]:
-    """Scope a run's process-group lifecycle (one per Hydra job, so sweeps can run jobs back to back)."""
-    init_process_group(timeout_s)
-    try:
-        yield
-    except BaseException:
-        destroy_process_group(sync=False)
-        raise
-    destroy_process_group()
+    @property
+    def backend(self) -> str:
+        """The collective backend: nccl on CUDA, gloo otherwise."""
+        return "nccl" if self.cuda else "gloo"
+
+    @property
+    def device(self) -> torch.device:
+        """The device this rank computes on: GPU LOCAL_RANK modulo the GPUs this process sees (one
+        GPU per Slurm task sees only its own), the same index DeepSpeed is given (`device_index`)."""
+        if self.cuda:
+            return torch.device("cuda", self.local_rank % torch.cuda.device_count())
+        return torch.device("cpu")
+
+    @property
+    def device_index(self) -> int:
+        """This rank's device index, as handed to DeepSpeed (`args.device_rank`)."""
+        return self.device.index or 0
+
+    @property
+    def collective_device(self) -> torch.device:
+        """Where small tensors for collectives live: this rank's GPU under nccl, the CPU under gloo."""
+        return self.device if self.backend == "nccl" else torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0: the only rank that writes logs, metrics and summaries."""
+        return self.rank == 0
+
+    def describe(self) -> str:
+        """One line: "rank 0 of 2 on cpu (gloo)"."""
+        return f"rank {self.rank} of {self.world_size} on {self.device} ({self.backend})"
+
+    # -------------------------------------------------------------- collectives
+    def _grouped(self) -> bool:
+        return self.world_size > 1 and dist.is_initialized()
+
+    def _slow(self) -> Any:
+        if self._slow_group is None:
+            self._slow_group = dist.new_group(backend="gloo", timeout=SLOW_WAIT)
+        return self._slow_group
+
+    def barrier(self, slow: bool = False) -> None:
+        """Wait until every rank is here (nothing alone). `slow`: a wait on one rank's long work
+        (see SLOW_WAIT)."""
+        if self._grouped():
+            dist.barrier(group=self._slow() if slow else None)
+
+    def broadcast_object(self, obj: Any, src: int = 0, slow: bool = False) -> Any:
+        """Rank `src`'s `obj` on every rank (itself alone); `slow` as for `barrier`."""
+        if not self._grouped():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self._slow() if slow else None)
+        return box[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order."""
+        if not self._grouped():
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def all_reduce_mean(self, value: float) -> float:
+        """Mean of a Python float over ranks."""
+        if not self._grouped():
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.collective_device)
+        dist.all_reduce(t)
+        return float(t.item()) / self.world_size
+
+    def all_reduce_min(self, value: int) -> int:
+        """The smallest of every rank's integer."""
+        if not self._grouped():
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.collective_device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank when `flag` is True on at least one."""
+        if not self._grouped():
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=self.collective_device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    # -------------------------------------------------------------- teardown
+    def _in_its_group(self) -> bool:
+        return dist.is_initialized() and dist.group.WORLD is self._world
+
+    def on_close(self, fn: Callable[[], None]) -> None:
+        """Call `fn` when this context closes, after its group is destroyed (once per `fn`)."""
+        if fn not in self._on_close:
+            self._on_close.append(fn)
+
+    def _tear_down_at_exit(self) -> None:
+        """A script that ends without closing still exits cleanly (a 2-rank gloo exit without
+        destroying the group can SIGABRT): the context closes at interpreter exit, waiting for the
+        other ranks only if no exception ended this one."""
+        self._previous_hook = sys.excepthook
+
+        def note_failure(*args: Any) -> None:
+            self._failed = True
+            self._previous_hook(*args)
+
+        self._hook = note_failure
+        sys.excepthook = note_failure
+        atexit.register(self._close_at_exit)
+
+    def _close_at_exit(self) -> None:
+        self.close(sync=not self._failed)
+
+    def close(self, sync: bool = True, timeout_s: float = 30.0) -> None:
+        """Destroy the group this context created (a 2-rank gloo exit without it can SIGABRT) and
+        restore the environment it changed; a joined context only forgets its own groups.
+
+        `sync` (gloo): first wait, at most `timeout_s`, until every rank is here, so that no rank
+        exits and drops connections another rank's gloo threads still use (that too can SIGABRT the
+        slower rank). After a failure pass sync=False: the other ranks may sit in a collective, and
+        waiting for them would only delay the exit."""
+        if self.closed:
+            return
+        self.closed = True
+        self._slow_group = None
+        if self.owns_group and self._in_its_group():
+            if sync and dist.get_backend() == "gloo" and dist.get_world_size() > 1:
+                with contextlib.suppress(RuntimeError):  # a rank that never came: tear down anyway
+                    dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s))
+            dist.destroy_process_group()
+            for fn in self._on_close:
+                fn()
+        while self._owned_env:
+            os.environ.pop(self._owned_env.pop(), None)
+        os.environ.update(self._replaced_env)
+        self._replaced_env.clear()
+        if self._previous_hook is not None:
+            atexit.unregister(self._close_at_exit)
+            if sys.excepthook is self._hook:
+                sys.excepthook = self._previous_hook
+
+    def __enter__(self) -> ProcessContext:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close(sync=kind is None)

@@ -24,8 +24,9 @@ from collections.abc import Callable
 from typing import Any
 
 from framework.errors import ConfigError
-from framework.process import context as dev
 from framework.process import slurm
+from framework.process.context import ProcessContext
+from framework.process.environment import env_rank, env_world_size, launched, local_device_count
 
 
 class WorkerFailed(RuntimeError):
@@ -50,7 +51,7 @@ def join_slurm_tasks() -> str | None:
     one process group (one task per device, any number of nodes): from submitit's helper under
     Hydra's submitit launcher, else from Slurm's own variables (plain `srun`). Nothing when a
     launcher (torchrun, the `deepspeed` launcher) already set ranks. Returns how it joined."""
-    if dev.launched():
+    if launched():
         return None
     if slurm.under_submitit() and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
         import submitit
@@ -63,33 +64,33 @@ def join_slurm_tasks() -> str | None:
             return None
         os.environ.update(variables)
         how = "srun"
-    if dev.rank() == 0:
+    if env_rank() == 0:
         print(
-            f"slurm: {dev.world_size()} tasks of job {os.environ.get('SLURM_JOB_ID')} joined one group "
+            f"slurm: {env_world_size()} tasks of job {os.environ.get('SLURM_JOB_ID')} joined one group "
             f"({how}; rank from SLURM_PROCID, master {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']})",
             flush=True,
         )
     return how
 
 
-def check_devices(devices: int) -> None:
-    """`trainer.devices` must fit on this machine."""
-    available = dev.local_device_count()
+def check_devices(devices: int, accelerator: str) -> None:
+    """`trainer.devices` must fit on this machine (`accelerator`: "cuda" counts GPUs, "cpu" cores)."""
+    available = local_device_count(accelerator)
     if devices < 1 or devices > available:
-        what = f"{available} GPU(s)" if dev.cuda_available() else f"{available} CPU core(s) and no GPU"
+        what = f"{available} GPU(s)" if accelerator == "cuda" else f"{available} CPU core(s) and no GPU"
         raise ConfigError(
             f"trainer.devices={devices} but this machine has {what}; use trainer.devices<={available}, "
             "or start processes on several machines with torchrun (README: Scaling out)"
         )
 
 
-def check_launched_devices(devices: int) -> None:
+def check_launched_devices(devices: int, process: ProcessContext) -> None:
     """Under a launcher, `trainer.devices` (processes per machine) must agree with what it started
     on this machine; 1 (the default) always agrees."""
-    local = dev.local_world_size()
+    local, world = process.local_world_size, process.world_size
     if devices not in (1, local):
-        nodes = dev.world_size() // max(local, 1)
-        where = f" on this machine ({dev.world_size()} in all)" if nodes > 1 else ""
+        nodes = world // max(local, 1)
+        where = f" on this machine ({world} in all)" if nodes > 1 else ""
         raise ConfigError(
             f"trainer.devices={devices} but the launcher started {local} processes{where}; "
             f"drop trainer.devices or set it to {local} (it counts processes per machine)"

@@ -25,17 +25,26 @@ from collections.abc import Iterator
 
 LONG_WORK = 4  # a checkpoint's save, load or conversion may take this many times timeout_s
 
+
+class _Watch:
+    """What this process's watchdog knows (one per process: it watches the process itself)."""
+
+    def __init__(self) -> None:
+        self.last = 0.0  # monotonic time of the last beat
+        self.timeout = 0.0
+        self.thread: threading.Thread | None = None
+        self.stop = threading.Event()
+
+
 _lock = threading.Lock()
-_state: dict = {"last": 0.0, "timeout": 0.0}
+_state = _Watch()
 _long: list[tuple[float | None, str]] = []  # the long work running now: (factor, what)
 _peers: list[tuple[str, int]] = []  # every rank's (host, pid)
-_thread: threading.Thread | None = None
-_stop = threading.Event()
 
 
 def beat() -> None:
     """Note progress (cheap: one clock read)."""
-    _state["last"] = time.monotonic()
+    _state.last = time.monotonic()
 
 
 @contextlib.contextmanager
@@ -61,9 +70,9 @@ def _limit() -> tuple[float | None, str]:
     if any(factor is None for factor, _ in work):
         return None, ""
     if not work:
-        return _state["timeout"], ""
+        return _state.timeout, ""
     factor, what = max(work, key=lambda item: item[0] or 0)
-    return float(factor or 1) * _state["timeout"], what
+    return float(factor or 1) * _state.timeout, what
 
 
 def budget() -> float | None:
@@ -72,7 +81,7 @@ def budget() -> float | None:
     limit, _ = _limit()
     if not running() or limit is None:
         return None
-    return max(1.0, 0.9 * limit - (time.monotonic() - _state["last"]))
+    return max(1.0, 0.9 * limit - (time.monotonic() - _state.last))
 
 
 def set_peers(processes: list[tuple[str, int]]) -> None:
@@ -109,15 +118,15 @@ def end_stopped_peers() -> str:
 
 
 def _watch(rank: int) -> None:
-    while not _stop.wait(min(1.0, _state["timeout"] / 4)):
-        idle = time.monotonic() - _state["last"]
+    while not _state.stop.wait(min(1.0, _state.timeout / 4)):
+        idle = time.monotonic() - _state.last
         limit, what = _limit()
         if limit is None or idle < limit:
             continue
         time.sleep(0.3 * (rank % 8))  # ranks that time out together print one after another
         during = f" while {what} (allowed: {LONG_WORK} x trainer.timeout_s)" if what else ""
         print(
-            f"Error: rank {rank} made no progress for {idle:.0f} s{during} (trainer.timeout_s={_state['timeout']:g}): "
+            f"Error: rank {rank} made no progress for {idle:.0f} s{during} (trainer.timeout_s={_state.timeout:g}): "
             "it is stuck (in a collective, waiting for another rank, or in its own code)"
             f"{end_stopped_peers()}; the stacks of its threads follow",
             file=sys.stderr,
@@ -127,33 +136,31 @@ def _watch(rank: int) -> None:
         sys.stderr.flush()
         # The other ranks stopped making progress at about the same time: give their watchdogs a
         # moment to show their stacks too before this exit makes the launcher stop them.
-        time.sleep(min(3.0, _state["timeout"] / 4))
+        time.sleep(min(3.0, _state.timeout / 4))
         os._exit(1)
 
 
 def start(timeout_s: float, rank: int = 0) -> None:
     """Watch this process from now on (again: a new timeout, the clock restarted)."""
-    global _thread
-    _state["timeout"] = float(timeout_s)
+    _state.timeout = float(timeout_s)
     beat()
-    if _thread is None or not _thread.is_alive():
-        _stop.clear()
-        _thread = threading.Thread(target=_watch, args=(rank,), name="hydraspeed-watchdog", daemon=True)
-        _thread.start()
+    if _state.thread is None or not _state.thread.is_alive():
+        _state.stop.clear()
+        _state.thread = threading.Thread(target=_watch, args=(rank,), name="hydraspeed-watchdog", daemon=True)
+        _state.thread.start()
 
 
 def stop() -> None:
     """Stop watching."""
-    global _thread
-    _stop.set()
-    if _thread is not None:
-        _thread.join(timeout=5)
-    _thread = None
+    _state.stop.set()
+    if _state.thread is not None:
+        _state.thread.join(timeout=5)
+    _state.thread = None
 
 
 def running() -> bool:
     """True while a watchdog thread runs in this process."""
-    return _thread is not None and _thread.is_alive()
+    return _state.thread is not None and _state.thread.is_alive()
 
 
 @contextlib.contextmanager

@@ -258,16 +258,16 @@ def test_offload_on_a_gpu_without_ninja_keeps_the_torch_optimizer_and_says_why(m
 
     import torch
 
+    from framework import ProcessContext
     from framework.backend import placement
-    from framework.process import context as device
 
-    monkeypatch.setattr(device, "cuda_available", lambda: True)  # where CPU Adam would be chosen
+    gpu = ProcessContext("cuda")  # where CPU Adam would be chosen
     which = shutil.which
     monkeypatch.setattr(
         shutil, "which", lambda name, *a, **k: None if name == "ninja" else which(name, *a, **k)
     )
     factory = functools.partial(torch.optim.AdamW, lr=1e-3)
     strategy = Strategy(sharding={"stage": 3, "offload_optimizer": True})
-    assert placement.offload_optimizer(strategy, factory) is factory
+    assert placement.offload_optimizer(strategy, factory, gpu) is factory
     assert "CPU Adam cannot be built here (ninja is not installed)" in capsys.readouterr().out
-    assert placement.offload_optimizer(Strategy(sharding={"stage": 3}), factory) is factory  # no offload
+    assert placement.offload_optimizer(Strategy(sharding={"stage": 3}), factory, gpu) is factory  # no offload

@@ -20,9 +20,8 @@ from framework import checkpoint
 from framework.checkpoint.preemption import EXIT_PREEMPTED
 from framework.export import fp32_state_dict, load_weights
 from framework.models import MLP
-from framework.process import context as device
 
-from ..conftest import FAST, ROOT, final_metrics, popen, run_cmd, run_train
+from ..conftest import FAST, ROOT, end_group, final_metrics, popen, run_cmd, run_train
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -201,14 +200,14 @@ def test_engine_save_and_load_round_trip(tmp_path):
     weights = engine.save(str(tmp_path / "w.safetensors"), training=False)
     ckpt = engine.save(str(tmp_path / "ckpts"), training=True)
     expected = engine.predict(data.valid, batch_size=32)
-    device.destroy_process_group()
+    end_group()
     for source in (weights, str(tmp_path / "ckpts")):
         fresh = Engine(
             MLP(hidden=[32]), torch.nn.CrossEntropyLoss(), functools.partial(torch.optim.AdamW, lr=1e-2)
         )
         fresh.load(source)
         torch.testing.assert_close(torch.cat(fresh.predict(data.valid, batch_size=32)), torch.cat(expected))
-        device.destroy_process_group()
+        end_group()
     assert Path(ckpt).name == "step_00000006"
 
 

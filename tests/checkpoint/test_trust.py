@@ -25,17 +25,20 @@ from framework.checkpoint import safety, store
 from framework.data.datasets import csv_classification, synthetic
 from framework.export import fp32_state_dict
 from framework.models import MLP
-from framework.process import context as device
 
-from ..conftest import FAST, ROOT, fails_cleanly, final_metrics, popen, run_cmd, run_train, subprocess_env
+from ..conftest import (
+    FAST,
+    ROOT,
+    end_group,
+    fails_cleanly,
+    final_metrics,
+    popen,
+    run_cmd,
+    run_train,
+    subprocess_env,
+)
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_group():
-    yield
-    device.destroy_process_group()
 
 
 def engine(stage: int = 0, optimizer=torch.optim.AdamW, lr: float = 1e-2, **kwargs) -> Engine:
@@ -55,7 +58,7 @@ DATA = synthetic(num_samples=512)
 def trained(tmp_path: Path, stage: int = 1, save_freq: int = 0) -> Path:
     """A checkpoints dir with real DeepSpeed checkpoints (ZeRO-`stage`, 1 process)."""
     engine(stage).fit(DATA.train, epochs=1, batch_size=32, save_dir=str(tmp_path), save_freq=save_freq)
-    device.destroy_process_group()
+    end_group()
     return tmp_path
 
 
@@ -195,7 +198,7 @@ def test_a_checkpoint_dir_in_use_by_a_live_run_is_refused_and_a_stale_lock_is_ta
     lock.write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname(), "time": time.time()}))
     with pytest.raises(ConfigError, match=r"is in use by another run \(pid \d+ on "):
         engine().fit(DATA.train, epochs=1, batch_size=32, save_dir=str(tmp_path))
-    device.destroy_process_group()
+    end_group()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     lock.write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "time": time.time()}))
@@ -241,7 +244,7 @@ def test_resuming_with_another_stage_or_optimizer_names_the_difference(tmp_path)
     with pytest.raises(CheckpointError, match="saved with ZeRO stage 0 .* this run uses ZeRO stage 3") as err:
         engine(3).fit(DATA.train, epochs=2, batch_size=32, resume=str(path))
     assert "python -m framework.export" in str(err.value)
-    device.destroy_process_group()
+    end_group()
     with pytest.raises(CheckpointError, match="holds AdamW optimizer states; this run uses SGD"):
         engine(0, optimizer=torch.optim.SGD).fit(DATA.train, epochs=2, batch_size=32, resume=str(path))
 
@@ -255,7 +258,7 @@ def test_engine_load_reads_zero_partitions_of_another_data_parallel_size(tmp_pat
     run.load(str(path))  # builds DeepSpeed to read the universal format, converting first
     loaded, saved = run.runtime.full_state_dict(), fp32_state_dict(path)
     assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)
-    device.destroy_process_group()
+    end_group()
     built = engine(2)
     built.prepare("train", 32)
     with pytest.raises(

@@ -17,17 +17,12 @@ from framework import CheckpointError, ConfigError, Engine, NonFiniteLoss, Strat
 from framework.checkpoint import store
 from framework.data.datasets import csv_classification, synthetic
 from framework.models import MLP
-from framework.process import context as device
+
+from ..conftest import end_group
 
 pytestmark = pytest.mark.timeout(300)
 
 DATA = synthetic(num_samples=512)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_group():
-    yield
-    device.destroy_process_group()
 
 
 def engine(stage: int = 0) -> Engine:
@@ -42,7 +37,7 @@ def engine(stage: int = 0) -> Engine:
 
 def trained(ckpts, stage: int = 0, save_freq: int = 0):
     engine(stage).fit(DATA.train, epochs=1, batch_size=32, save_dir=str(ckpts), save_freq=save_freq)
-    device.destroy_process_group()
+    end_group()
     return ckpts
 
 
@@ -109,7 +104,7 @@ def test_an_empty_complete_json_is_named_and_auto_resume_falls_back_past_it(tmp_
     (newest / store.COMPLETE).write_text("{}")
     with pytest.raises(CheckpointError, match=r"COMPLETE.json lacks step, world_size, dp_size"):
         engine().fit(DATA.train, epochs=1, batch_size=32, resume=str(newest))
-    device.destroy_process_group()
+    end_group()
     resumed = engine()
     resumed.fit(DATA.train, epochs=1, batch_size=32, save_dir=str(ckpts), resume="auto")
     assert resumed.state.info.resumed_from == str(ckpts / store.tag_for(10))

@@ -8,7 +8,7 @@ import sys
 import pytest
 import yaml
 
-from ..conftest import CONF, FAST, ROOT, fails_cleanly, final_metrics, run_cmd, run_train
+from ..conftest import CONF, FAST, ROOT, end_group, fails_cleanly, final_metrics, run_cmd, run_train
 
 # Every strategy that runs on one process: the ZeRO stages. The pipeline and the tensor / sequence /
 # expert parallel presets need 2 processes and their models (tests/engine/test_steps.py, test_parallel.py,
@@ -111,7 +111,6 @@ def test_the_dry_run_prints_the_deepspeed_config_the_runtime_passes(compose, cap
     sized by the largest transformer block, not the largest tensor)."""
     from framework.backend.runtime import Runtime
     from framework.cli.build import build_engine, build_strategy, train
-    from framework.process import context as device
 
     overrides = ["model=gpt", "data=chars", "loss=lm", "metrics=none", "+strategy=zero3"]
     overrides += ["data.dataset.max_chars=20000"]
@@ -123,7 +122,7 @@ def test_the_dry_run_prints_the_deepspeed_config_the_runtime_passes(compose, cap
         build_engine(cfg, runtime, callbacks=[]).prepare("train", int(cfg.trainer.batch_size))
         assert printed == runtime.config
     finally:
-        device.destroy_process_group()
+        end_group()
 
 
 def test_uneven_global_batch_says_which_numbers(tmp_path):
@@ -159,7 +158,6 @@ def test_saved_deepspeed_config_is_what_deepspeed_received(tmp_path):
     from framework import Engine, Strategy
     from framework.models import MLP
     from framework.plan.cost import auto_sizes, param_counts
-    from framework.process import context as device
 
     run = run_train(["+strategy=zero3", *FAST], tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -182,4 +180,4 @@ def test_saved_deepspeed_config_is_what_deepspeed_received(tmp_path):
         sizes["reduce_bucket_size"],
         sizes["max_live_parameters"],
     )
-    device.destroy_process_group()
+    end_group()

@@ -15,13 +15,8 @@ from framework import ConfigError, Engine, Strategy
 from framework.data.datasets import synthetic
 from framework.data.loaders import EvalShardSampler
 from framework.models import MLP
-from framework.process import context as device
 
-
-@pytest.fixture(autouse=True)
-def _fresh_group():
-    yield
-    device.destroy_process_group()
+from ..conftest import end_group
 
 
 def make_engine(stage: int = 0, **kwargs) -> Engine:
@@ -187,7 +182,7 @@ def _gpt_steps(
         ids = torch.randint(0, 32, (8, 17), generator=g)
         losses.append(engine.run((ids[:, :-1], ids[:, 1:]), mode="train")["loss"])
     weights = engine.runtime.full_state_dict()
-    device.destroy_process_group()
+    end_group()
     return losses, weights, len(calls)
 
 
@@ -312,7 +307,7 @@ def _gathered_per_step(monkeypatch, evaluate_first: bool) -> list[int]:
         gathered[0] = 0
         engine.run(batch, mode="train")
         per_step.append(gathered[0])
-    device.destroy_process_group()
+    end_group()
     return per_step
 
 

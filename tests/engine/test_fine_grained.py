@@ -16,15 +16,8 @@ from framework import ConfigError, DistModel, Engine, Strategy, shard_dataloader
 from framework.data.datasets import digits, synthetic
 from framework.models import MLP
 from framework.plan.cost import live_tensor_bytes
-from framework.process import context as device
 
-from ..conftest import ROOT, run_cmd, torchrun
-
-
-@pytest.fixture(autouse=True)
-def _fresh_group():
-    yield
-    device.destroy_process_group()
+from ..conftest import ROOT, end_group, run_cmd, torchrun
 
 
 def accuracy():
@@ -64,7 +57,7 @@ def fit_accuracy():
         MLP(), torch.nn.CrossEntropyLoss(), functools.partial(torch.optim.AdamW, lr=3e-3), accuracy()
     )
     history = engine.fit(train, valid, epochs=5, batch_size=64)
-    device.destroy_process_group()
+    end_group()
     return history["val_accuracy"][-1]
 
 
@@ -174,7 +167,7 @@ def test_cost_matches_measured_model_state_bytes():
         assert measured == pytest.approx(estimate["total_bytes"], rel=0.10), stage
         engine.runtime.deepspeed_engine.step()
         del engine
-        device.destroy_process_group()
+        end_group()
 
 
 # ---------------------------------------------------------------- errors
@@ -229,9 +222,9 @@ def test_to_static_default_modes_follow_paddle():
         to_static(MLP(), None, torch.nn.CrossEntropyLoss(), torch.optim.SGD(MLP().parameters(), lr=0.1))._mode
         == "train"
     )
-    device.destroy_process_group()
+    end_group()
     assert to_static(MLP(), None, torch.nn.CrossEntropyLoss())._mode == "eval"
-    device.destroy_process_group()
+    end_group()
     assert to_static(MLP())._mode == "predict"
 
 

@@ -13,15 +13,8 @@ from torch.utils.data import TensorDataset
 from framework import Callback, ConfigError, Engine, Strategy
 from framework.engine import loops
 from framework.models import MLP
-from framework.process import context as device
 
 from ..conftest import FAST, ROOT, fails_cleanly, final_metrics, run_cmd, run_train
-
-
-@pytest.fixture(autouse=True)
-def _fresh_group():
-    yield
-    device.destroy_process_group()
 
 
 def dataset(n_batches: int, batch: int = 8) -> TensorDataset:
@@ -61,7 +54,7 @@ def engine_with(step, k_steps: int = 1, stage: int = 0, **kwargs) -> Engine:
 
 def two_batch_step(engine, dataloader_iter):
     (x1, y1), (x2, y2) = next(dataloader_iter), next(dataloader_iter)
-    assert x1.device == device.device()  # batches arrive on the device
+    assert x1.device == engine.process.device  # batches arrive on the device
     return (engine.loss(engine.model(x1), y1) + engine.loss(engine.model(x2), y2)) / 2
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from framework import Callback
-from framework.process import context as device
+from framework.process.environment import env_rank
 
 
 class RaiseOnRank(Callback):
@@ -13,7 +13,7 @@ class RaiseOnRank(Callback):
         self.rank, self.step = rank, step
 
     def on_step_end(self, state):
-        if device.rank() == self.rank and state.global_step >= self.step:
+        if env_rank() == self.rank and state.global_step >= self.step:
             raise RuntimeError(f"injected failure on rank {self.rank} at step {state.global_step}")
 
 
@@ -26,7 +26,7 @@ class StallOnRank(Callback):
     def on_step_end(self, state):
         import time
 
-        while device.rank() == self.rank and state.global_step >= self.step:
+        while env_rank() == self.rank and state.global_step >= self.step:
             time.sleep(1)
 
 
@@ -40,7 +40,7 @@ class KillRank(Callback):
         import os
         import signal
 
-        if device.rank() == self.rank and state.global_step >= self.step:
+        if env_rank() == self.rank and state.global_step >= self.step:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -55,7 +55,7 @@ class StopRank(Callback):
         import signal
         import time
 
-        if device.rank() == self.rank and state.global_step == self.step:
+        if env_rank() == self.rank and state.global_step == self.step:
             if self.marker:  # when it stopped, for a test that measures how long the job took to end
                 with open(self.marker, "w") as f:
                     f.write(str(time.time()))

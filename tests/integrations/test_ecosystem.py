@@ -17,20 +17,13 @@ from framework import ConfigError, Engine, Strategy
 from framework.backend.runtime import Runtime
 from framework.cli import construct
 from framework.data.datasets import chars
-from framework.process import context as device
 
-from ..conftest import ROOT, fails_cleanly, run_cmd, subprocess_env
+from ..conftest import ROOT, end_group, fails_cleanly, run_cmd, subprocess_env
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(300)
 
 CONF = ROOT / "conf"
-
-
-@pytest.fixture(autouse=True)
-def _fresh_group():
-    yield
-    device.destroy_process_group()
 
 
 def tiny_gpt2() -> torch.nn.Module:
@@ -172,7 +165,7 @@ def initial_weights(node, stage: int, init: str = "auto") -> dict:
     )
     engine.prepare("train", 8)
     weights = runtime.full_state_dict()
-    device.destroy_process_group()
+    end_group()
     return weights
 
 
@@ -231,7 +224,7 @@ def test_hf_export_round_trips_and_fine_tuning_starts_from_the_directory(tmp_pat
         strategy=Strategy(sharding={"stage": 3}),
     )
     engine.fit(Token(), epochs=1, batch_size=16, save_dir=str(tmp_path / "ckpts"))
-    device.destroy_process_group()
+    end_group()
     out = tmp_path / "hf"
     cli = run_cmd([sys.executable, "-m", "framework.export", str(tmp_path / "ckpts"), str(out), "--hf"])
     assert cli.returncode == 0, cli.stderr
@@ -277,7 +270,7 @@ def test_hf_export_of_a_wrapped_model_is_the_inner_models_directory(tmp_path, ca
     torch.manual_seed(0)
     engine = Engine(Wrapped(), "model", functools.partial(torch.optim.AdamW, lr=1e-2))
     engine.fit(Token(), epochs=1, batch_size=16, save_dir=str(tmp_path / "ckpts"))
-    device.destroy_process_group()
+    end_group()
     save_hf_directory(tmp_path / "ckpts", tmp_path / "hf")
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     model = Wrapped()

@@ -16,18 +16,11 @@ import pytest
 import torch
 
 from framework import Engine, Strategy
-from framework.process import context as device
 
-from ..conftest import ROOT, run_cmd, run_train
+from ..conftest import ROOT, end_group, run_cmd, run_train
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_group():
-    yield
-    device.destroy_process_group()
 
 
 def tiny_llama(vocab_size: int = 64) -> torch.nn.Module:
@@ -63,7 +56,7 @@ def test_recompute_on_a_padded_batch_trains_as_without_it(stage, capsys):
         engine = Engine(tiny_llama(), "model", functools.partial(torch.optim.SGD, lr=0.5), strategy=strategy)
         history = engine.fit(padded_rows(), epochs=2, batch_size=8, shuffle=False, log_freq=1)
         losses[recompute] = history["loss"]
-        device.destroy_process_group()
+        end_group()
     assert losses[True] == pytest.approx(losses[False], rel=1e-5)
     assert losses[True][-1] < losses[True][0]
     out = capsys.readouterr().out
@@ -425,7 +418,7 @@ def test_a_resumed_run_says_from_which_step_and_checkpoint(tmp_path, capsys):
         )
 
     engine().fit(data, epochs=1, batch_size=32, max_steps=3, save_dir=str(tmp_path))
-    device.destroy_process_group()
+    end_group()
     assert "resumed from" not in capsys.readouterr().out
     engine().fit(data, epochs=2, batch_size=32, max_steps=5, save_dir=str(tmp_path), resume="auto")
     assert f"resumed from step 3 ({tmp_path / 'step_00000003'})" in capsys.readouterr().out

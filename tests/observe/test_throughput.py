@@ -10,13 +10,8 @@ import torch
 from framework import Engine, Strategy
 from framework.data.datasets import chars, synthetic
 from framework.models import GPT, MLP, LMLoss
-from framework.process import context as device
 
-
-@pytest.fixture(autouse=True)
-def _fresh_group():
-    yield
-    device.destroy_process_group()
+from ..conftest import end_group
 
 
 def step_records(engine, data, **fit):
@@ -92,4 +87,4 @@ def test_mfu_is_never_above_100_percent_and_needs_a_peak_on_a_cpu(capsys):
         assert len(records) == 3 and not any("mfu" in r for r in records)
         assert engine.state.info.flops_per_step > 0
         assert capsys.readouterr().err.count("warning: MFU left out: it would read") == said
-        device.destroy_process_group()
+        end_group()

@@ -27,18 +27,11 @@ from framework.engine.items import counted_items, step_weights
 from framework.models import MLP, LMLoss
 from framework.plan.run_plan import Mesh, step_budget
 from framework.plan.run_plan import batch_layout as layout_of
-from framework.process import context as device
 
-from ..conftest import FAST, run_layout_script, run_train
+from ..conftest import FAST, end_group, run_layout_script, run_train
 
 DATA = synthetic(num_samples=180)
 EPOCHS, BATCH = 3, 16  # 144 training samples: 9 optimizer steps an epoch, 27 in all
-
-
-@pytest.fixture(autouse=True)
-def _fresh_group():
-    yield
-    device.destroy_process_group()
 
 
 COSINE = functools.partial(schedulers.warmup_cosine, warmup_fraction=0.2)
@@ -132,7 +125,7 @@ def test_a_resume_after_a_crash_trains_like_an_uninterrupted_fit(tmp_path):
             DATA.train, epochs=EPOCHS, batch_size=BATCH, shuffle=False, save_dir=str(tmp_path), save_freq=5,
             callbacks=[CrashAt(10)],
         )  # fmt: skip
-    device.destroy_process_group()
+    end_group()
     e, lrs = engine(), LrPerStep()
     lrs.step = 10
     e.fit(DATA.train, epochs=EPOCHS, batch_size=BATCH, shuffle=False, save_dir=str(tmp_path), resume="auto",

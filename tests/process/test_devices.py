@@ -20,17 +20,10 @@ from framework.checkpoint import safety, store
 from framework.data.datasets import synthetic
 from framework.export import fp32_state_dict
 from framework.models import MLP
-from framework.process import context as device
 
-from ..conftest import FAST, fails_cleanly, run_cmd, run_train, subprocess_env, torchrun
+from ..conftest import FAST, end_group, fails_cleanly, run_cmd, run_train, subprocess_env, torchrun
 
 DATA = synthetic(num_samples=512)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_group():
-    yield
-    device.destroy_process_group()
 
 
 @pytest.mark.parametrize("stage", [0, 2])
@@ -117,7 +110,7 @@ def test_no_host_sync_from_the_framework_in_the_step_path(monkeypatch):
             strategy=Strategy(sharding={"stage": stage}, gradient_merge={"k_steps": 2}), callbacks=[counter],
         ).fit(DATA.train, epochs=1, batch_size=32, log_freq=1000)  # fmt: skip
         counter.active = False
-        device.destroy_process_group()
+        end_group()
     assert not counter.calls, counter.calls
 
 
@@ -143,26 +136,30 @@ def test_no_device_sync_from_deepspeed_in_the_step_path(monkeypatch):
             strategy=Strategy(sharding={"stage": stage}, gradient_merge={"k_steps": 2}), callbacks=[counter],
         ).fit(DATA.train, epochs=1, batch_size=32, max_steps=6, log_freq=1000)  # fmt: skip
         counter.active = False
-        device.destroy_process_group()
+        end_group()
     assert not counter.calls, counter.calls
 
 
 def test_one_gpu_per_task_tells_deepspeed_the_device_it_sees(monkeypatch):
     """Slurm with one GPU per task: LOCAL_RANK 3, one visible GPU. DeepSpeed reads LOCAL_RANK as a
     device index itself (init_process_group's device_id, zero.Init), so the environment must name
-    the device chosen here; the launcher's value is kept for local_rank() and comes back on teardown."""
+    the device chosen here; the launcher's value is kept as the context's local_rank and comes back
+    when it closes."""
+    from framework import ProcessContext
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(device, "_accelerator", "cuda")
     monkeypatch.setenv("LOCAL_RANK", "3")
-    device._share_device_index()
-    assert device.device() == torch.device("cuda", 0) and device.device_index() == 0
-    assert os.environ["LOCAL_RANK"] == "0" and device.local_rank() == 3
-    device.destroy_process_group()
+    ctx = ProcessContext("cuda", local_rank=3)
+    ctx._share_device_index()
+    assert ctx.device == torch.device("cuda", 0) and ctx.device_index == 0
+    assert os.environ["LOCAL_RANK"] == "0" and ctx.local_rank == 3
+    ctx.close()
     assert os.environ["LOCAL_RANK"] == "3"
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)  # every GPU visible: nothing to change
-    device._share_device_index()
-    assert os.environ["LOCAL_RANK"] == "3" and device.device() == torch.device("cuda", 3)
+    ctx = ProcessContext("cuda", local_rank=3)
+    ctx._share_device_index()
+    assert os.environ["LOCAL_RANK"] == "3" and ctx.device == torch.device("cuda", 3)
 
 
 def test_zero3_on_the_cpu_starts_no_subprocess_per_step(monkeypatch):
@@ -188,7 +185,7 @@ def test_zero3_on_the_cpu_starts_no_subprocess_per_step(monkeypatch):
     )  # fmt: skip
     engine.fit(DATA.train, epochs=1, batch_size=32, max_steps=3, log_freq=1000)
     assert started == [] and os.environ["LOCAL_SIZE"] == "1"
-    device.destroy_process_group()
+    end_group()
     assert "LOCAL_SIZE" not in os.environ  # the framework's own setting goes with the group
 
 
@@ -197,7 +194,7 @@ import functools, sys, time
 from pathlib import Path
 import torch
 from framework import Engine
-from framework.process import context as device, watchdog
+from framework.process import watchdog
 from framework.backend import weights
 from framework.models import MLP
 
@@ -205,11 +202,11 @@ out, real = Path(sys.argv[1]), weights.save_weights
 weights.save_weights = lambda state, path: (time.sleep(3), real(state, path))[1]  # a large model
 engine = Engine(MLP(hidden=[8]), torch.nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1))
 engine.prepare("train", batch_size=8)
-watchdog.start(1.0, device.rank())  # shorter than the write: the save must not count as a stall
+watchdog.start(1.0, engine.process.rank)  # shorter than the write: the save must not count as a stall
 engine.save(str(out / "w.safetensors"), training=False)
-(out / f"rank{device.rank()}").write_text(str((out / "w.safetensors").exists()))
+(out / f"rank{engine.process.rank}").write_text(str((out / "w.safetensors").exists()))
 watchdog.stop()
-device.destroy_process_group()
+engine.close()
 """
 
 
@@ -266,12 +263,13 @@ def test_accelerator_cpu_tells_deepspeed_after_it_chose_cuda(monkeypatch):
     from deepspeed.accelerator import get_accelerator, set_accelerator
     from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
 
+    from framework.backend import deepspeed_globals
+
     before = get_accelerator()
-    monkeypatch.setattr(device, "_accelerator", None)
     set_accelerator(CUDA_Accelerator())  # what `import deepspeed` picks on a GPU machine
     try:
-        assert device.select_accelerator("cpu") == "cpu"
-        assert get_accelerator().device_name() == "cpu" and os.environ["DS_ACCELERATOR"] == "cpu"
+        deepspeed_globals.use_accelerator("cpu")  # what a runtime on the CPU does when it starts
+        assert get_accelerator().device_name() == "cpu"
     finally:
         set_accelerator(before)
 

@@ -13,7 +13,7 @@ import yaml
 
 from framework import ConfigError
 from framework.cli.main import launch_job
-from framework.process import context as device
+from framework.process.environment import free_port, launched
 
 from ..conftest import FAST, ROOT, final_metrics, popen, run_cmd, run_train
 
@@ -26,7 +26,7 @@ def test_devices_2_trains_and_returns_rank0_metric(compose, tmp_path):
     final = final_metrics(tmp_path)
     assert value == pytest.approx(final["val_loss"])
     assert final["step"] == 22
-    assert not device.launched()  # the parent never joined a group
+    assert not launched()  # the parent never joined a group
 
 
 def test_a_worker_that_raises_fails_the_job_fast_naming_the_rank(tmp_path):
@@ -56,7 +56,7 @@ def test_devices_beyond_the_machine_is_a_clear_error(tmp_path):
 @pytest.mark.slow
 def test_two_nodes_with_torchrun_match_one_node(tmp_path):
     """Two torchrun processes on this machine as two 'nodes' of one ZeRO-3 job."""
-    port = device.free_port()
+    port = free_port()
     args = ["+strategy=zero3", *FAST, f"hydra.run.dir={tmp_path / 'nodes'}"]
     procs = [
         popen(
@@ -182,21 +182,24 @@ def test_submitit_local_launcher_runs_a_job(tmp_path):
 
 
 def test_devices_under_a_launcher_count_processes_per_machine(monkeypatch):
+    from framework import ProcessContext
     from framework.process.launch import check_launched_devices
+
+    here = ProcessContext.from_launcher  # what the launcher's variables say this process is
 
     # two machines of four processes each (torchrun --nnodes=2 --nproc-per-node=4, or Slurm)
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    check_launched_devices(4)  # the README's Slurm command: trainer.devices=4 hydra.launcher.nodes=2
-    check_launched_devices(1)  # the default always agrees
+    check_launched_devices(4, here())  # the README's Slurm command: trainer.devices=4 hydra.launcher.nodes=2
+    check_launched_devices(1, here())  # the default always agrees
     with pytest.raises(
         ConfigError, match=r"started 4 processes on this machine \(8 in all\); .* set it to 4"
     ):
-        check_launched_devices(8)
+        check_launched_devices(8, here())
     # DeepSpeed's launcher says LOCAL_SIZE; with neither, the whole world is on this machine
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     monkeypatch.setenv("LOCAL_SIZE", "2")
     with pytest.raises(ConfigError, match="started 2 processes on this machine"):
-        check_launched_devices(4)
+        check_launched_devices(4, here())
     monkeypatch.delenv("LOCAL_SIZE")
-    check_launched_devices(8)
+    check_launched_devices(8, here())

@@ -16,9 +16,8 @@ from pathlib import Path
 import torch
 from transformers import MixtralConfig, MixtralForCausalLM
 
-from framework import Callback, ConfigError, Engine, Strategy
+from framework import Callback, ConfigError, Engine, ProcessContext, Strategy
 from framework.export import fp32_state_dict
-from framework.process import context as device
 
 out = Path(sys.argv[1])
 torch.manual_seed(0)
@@ -45,7 +44,11 @@ class CrashAt(Callback):
 def engine():
     strategy = Strategy(sharding={"stage": 3}, expert_parallel={"degree": 2})
     return Engine(
-        copy.deepcopy(model), "model", functools.partial(torch.optim.AdamW, lr=1e-2), strategy=strategy
+        copy.deepcopy(model),
+        "model",
+        functools.partial(torch.optim.AdamW, lr=1e-2),
+        strategy=strategy,
+        process=job,
     )
 
 
@@ -57,7 +60,7 @@ def one_line_error(call):
     return None
 
 
-device.init_process_group(timeout_s=120)
+job = ProcessContext.start(timeout_s=120)
 save_dir = out / "checkpoints"
 uninterrupted = engine()
 uninterrupted.fit(data, epochs=1, batch_size=8, shuffle=False)
@@ -84,5 +87,5 @@ result = {
     "export": one_line_error(lambda: fp32_state_dict(save_dir)),
     "load": one_line_error(lambda: resumed.load(weights)),
 }
-device.destroy_process_group()
-(out / f"rank{device.rank()}.json").write_text(json.dumps(result))
+job.close()
+(out / f"rank{job.rank}.json").write_text(json.dumps(result))

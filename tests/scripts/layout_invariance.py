@@ -33,9 +33,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from framework import Callback, Engine, Strategy
+from framework import Callback, Engine, ProcessContext, Strategy
 from framework.models import GPT, LMLoss
-from framework.process import context as device
 
 
 def arg(i, default):
@@ -167,8 +166,8 @@ def recorder(seen):
     return record
 
 
-device.init_process_group(timeout_s=120)  # one group for every engine below
-rank, world = device.rank(), device.world_size()
+job = ProcessContext.start(timeout_s=120)  # one group for every engine below
+rank, world = job.rank, job.world_size
 errors, shares, lengths = {}, {}, {}  # shares: this rank's parameter elements / the model's
 CASES = {
     "gpt": gpt_case,
@@ -197,7 +196,7 @@ for name in which.split(","):
     # the step does not clip, and `run` still checks the grad_norm it fetches
     no_clip = {0: 0.0} if "expert_parallel" in degrees else {}
     if "predict" in paths:  # the outputs in dataset order, each sample once, under every degree
-        engine = Engine(copy.deepcopy(model), loss, strategy=Strategy(**degrees))
+        engine = Engine(copy.deepcopy(model), loss, strategy=Strategy(**degrees), process=job)
         outputs = engine.predict(data, batch_size=GLOBAL // 2)
         got = torch.cat([getattr(o, "logits", o) for o in outputs])
         with torch.no_grad():
@@ -207,7 +206,7 @@ for name in which.split(","):
                 want = model(input_ids=tokens, attention_mask=mask).logits
         errors[f"{name} {parallel} predict"] = [(got - want).abs().max().item(), abs(len(got) - len(want))]
     if "evaluate" in paths:  # the loss of whole sequences, under every degree
-        engine = Engine(copy.deepcopy(model), loss, strategy=Strategy(**degrees))
+        engine = Engine(copy.deepcopy(model), loss, strategy=Strategy(**degrees), process=job)
         with torch.no_grad():
             want = reference_loss(copy.deepcopy(model)).item()
         errors[f"{name} {parallel} evaluate"] = [abs(engine.evaluate(data, batch_size=GLOBAL)["loss"] - want)]
@@ -220,6 +219,7 @@ for name in which.split(","):
                         sharding={"stage": stage}, gradient_merge={"k_steps": acc},
                         gradient_clip={"max_norm": no_clip.get(stage, clip)}, **degrees,
                     ),
+                    process=job,
                 )  # fmt: skip
                 seen = set()
                 engine.module.register_forward_pre_hook(recorder(seen), with_kwargs=True)
@@ -232,7 +232,7 @@ for name in which.split(","):
                 else:
                     loader = engine.dataloader(data, batch_size=GLOBAL, mode="train")
                     logs = engine.run(next(iter(loader)), fetch_list=["grad_norm"])
-                    logged, norm = device.all_reduce_mean(logs["loss"]), logs["fetches"]["grad_norm"]
+                    logged, norm = job.all_reduce_mean(logs["loss"]), logs["fetches"]["grad_norm"]
                 local = sum(p.numel() for p in engine.module.parameters() if p.numel())
                 state = engine.runtime.full_state_dict(on_every_rank=True)
                 if path == "export":
@@ -248,7 +248,7 @@ for name in which.split(","):
                     abs(logged - ref_loss.item()),
                     abs(norm - ref_norm),  # run: the fetched grad_norm (fit logs none)
                 ]
-device.destroy_process_group()
+job.close()
 (out_dir / f"rank{rank}.json").write_text(
     json.dumps({"errors": errors, "shares": shares, "lengths": lengths})
 )

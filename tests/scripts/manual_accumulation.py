@@ -10,9 +10,8 @@ from pathlib import Path
 
 import torch
 
-from framework import Engine, Strategy
+from framework import Engine, ProcessContext, Strategy
 from framework.models import MLP
-from framework.process import context as device
 
 out_dir = Path(sys.argv[1])
 torch.manual_seed(0)
@@ -28,8 +27,8 @@ for _ in range(2):
     opt.step()
 
 errors = {}
-device.init_process_group(timeout_s=60)  # one group for all stages: re-creating one under torchrun can hang
-rank, world = device.rank(), device.world_size()
+job = ProcessContext.start(timeout_s=60)  # one group for all stages: re-creating one under torchrun can hang
+rank, world = job.rank, job.world_size
 for stage in (0, 1, 2, 3):
     mine = slice(rank * 32 // world, (rank + 1) * 32 // world)  # this rank's 32 / world samples
     xs, ys = x[mine], y[mine]
@@ -39,6 +38,7 @@ for stage in (0, 1, 2, 3):
         loss_fn,
         functools.partial(torch.optim.SGD, lr=0.5),
         strategy=Strategy(sharding={"stage": stage}),
+        process=job,
     )
     engine.prepare("train", batch_size=half * world)
     for _ in range(2):
@@ -47,5 +47,5 @@ for stage in (0, 1, 2, 3):
         engine.step()
     state = engine.runtime.full_state_dict(on_every_rank=True)
     errors[stage] = max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items())
-device.destroy_process_group()
+job.close()
 (out_dir / f"rank{rank}.json").write_text(json.dumps(errors))

@@ -11,7 +11,6 @@ import torch
 from framework import Engine, Strategy
 from framework.backend.weights import load_weights
 from framework.models import GPT, LMLoss
-from framework.process import context as device
 
 out_dir = Path(sys.argv[1])
 torch.manual_seed(0)
@@ -26,9 +25,9 @@ g = torch.Generator().manual_seed(0)
 ids = torch.randint(0, 32, (64, 17), generator=g)
 engine.fit(torch.utils.data.TensorDataset(ids[:, :-1], ids[:, 1:]), epochs=1, batch_size=16, log_freq=1000)
 engine.save(str(out_dir / "w.safetensors"), training=False)
-if device.rank() == 0:
+if engine.process.is_main:
     saved = load_weights(out_dir / "w.safetensors")
     rounded = [k for k, v in saved.items() if v.dim() == 2 and torch.equal(v, v.bfloat16().float())]
     record = {"keys": len(saved), "matrices": sum(v.dim() == 2 for v in saved.values()), "rounded": rounded}
     (out_dir / "rank0.json").write_text(json.dumps(record))
-device.destroy_process_group()
+engine.close()

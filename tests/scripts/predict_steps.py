@@ -13,7 +13,6 @@ import torch
 from framework import Engine
 from framework.data.datasets import synthetic
 from framework.models import MLP
-from framework.process import context as device
 
 
 class WithPredictStep(MLP):
@@ -48,7 +47,7 @@ for name, kwargs in {"default": {}, "iterator": {"predict_step": two_batches}}.i
 engine = Engine(model, torch.nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1))
 out = torch.cat(engine.predict(valid, batch_size=4))
 results["model method"] = bool(torch.allclose(out, expected.softmax(-1), atol=1e-6))
-results["world_size"] = device.world_size()
-if device.is_main_process():
+results["world_size"] = engine.process.world_size
+if engine.process.is_main:
     (out_dir / "predict.json").write_text(json.dumps(results))
-device.destroy_process_group()
+engine.close()
