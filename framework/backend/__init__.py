@@ -4,7 +4,9 @@ Rule: imports `framework.errors`, `framework.process`, `framework.integrations`,
 `framework.plan` and `framework.data`; nothing above it. DeepSpeed is imported inside functions
 (importing the framework never imports DeepSpeed, which fixes its accelerator when first imported).
 
-* `runtime`           the one owner of DeepSpeed's engine and of the batch layout;
+* `runtime`           the one owner of DeepSpeed's engine;
+* `topology`          where a runtime runs and how its batch splits: the process context, the
+                      mesh, the batch layout (fixed by the first training call);
 * `ds_config`         Strategy + layout + model sizes -> DeepSpeed's config dict (the only module
                       that knows its keys);
 * `deepspeed_globals` DeepSpeed's process-wide state kept in step (its accelerator, its groups);

@@ -9,6 +9,7 @@ plain dicts, never Hydra's global state.
 * `config`     the config schema (dataclasses in Hydra's ConfigStore) and its checks;
 * `build`      a composed config -> the Engine and its parts (the one place);
 * `construct`  building a model under ZeRO-3: whole or partitioned, exactly;
+* `report`     the files a run writes beside its metrics, and what `+dry_run=true` prints;
 * `sweep`      the summary of a multirun.
 """
 
