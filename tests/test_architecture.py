@@ -120,9 +120,9 @@ def test_one_package_imports_each_library(library):
     assert {package_of(u) for u in users} <= {owner}, sorted(u for u in users if package_of(u) != owner)
 
 
-def test_no_global_statement_and_no_environment_change_at_import():
+def test_no_global_statement():
     """Process state lives in objects (`framework.process.context.ProcessContext` and the like),
-    never in module globals rebound by `global`; importing the framework sets no variable."""
+    never in module globals rebound by `global`."""
     rebinding = [
         f"{name}:{node.lineno}"
         for name, path in MODULES.items()
@@ -130,6 +130,10 @@ def test_no_global_statement_and_no_environment_change_at_import():
         if isinstance(node, ast.Global)
     ]
     assert not rebinding, rebinding
+
+
+@pytest.mark.slow
+def test_importing_the_framework_changes_no_environment_and_imports_no_deepspeed():
     import subprocess
     import sys
 
@@ -212,3 +216,61 @@ def test_one_owner(needle, owner):
     aside = {"framework.plan.run_plan", "framework.cli.build"} if needle == "batch_layout(" else set()
     users = {name for name, path in MODULES.items() if needle in path.read_text() and name not in aside}
     assert users <= {owner}, users
+
+
+# What starts another process in a test: the fast tier (`pytest -m "not slow"`) runs none of it.
+_STARTERS = {
+    "run_train",
+    "run_cmd",
+    "popen",
+    "torchrun",
+    "run_layout_script",
+    "launch_job",
+    "SlurmCluster",
+    "spawn",
+}
+_SUBPROCESS_CALLS = {"run", "Popen", "check_output", "check_call", "call"}
+
+
+def _starts_processes(node: ast.AST, helpers: set[str]) -> bool:
+    for call in (n for n in ast.walk(node) if isinstance(n, ast.Call)):
+        func = call.func
+        if isinstance(func, ast.Name) and func.id in _STARTERS | helpers:
+            return True
+        if (
+            isinstance(func, ast.Attribute)
+            and func.attr in _SUBPROCESS_CALLS
+            and isinstance(func.value, ast.Name)
+            and func.value.id == "subprocess"
+        ):
+            return True
+    return False
+
+
+def _is_slow(decorators: list[ast.expr]) -> bool:
+    return any(isinstance(n, ast.Attribute) and n.attr == "slow" for d in decorators for n in ast.walk(d))
+
+
+def test_tests_that_start_processes_are_marked_slow():
+    """The fast tier is unit tests and in-process checks: a test that starts another process
+    (train.py, torchrun, a launcher, a Slurm cluster), itself or through a helper of its module,
+    carries `@pytest.mark.slow` (or its module's `pytestmark` does)."""
+    unmarked = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        module_slow = any(
+            isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in n.targets)
+            and _is_slow([n.value])
+            for n in tree.body
+        )  # fmt: skip
+        functions = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
+        helpers: set[str] = set()
+        for _ in range(3):  # helpers that call helpers
+            helpers |= {
+                f.name for f in functions if not f.name.startswith("test_") and _starts_processes(f, helpers)
+            }
+        for node in functions:
+            if node.name.startswith("test_") and _starts_processes(node, helpers):
+                if not (module_slow or _is_slow(node.decorator_list)):
+                    unmarked.append(f"{path.relative_to(ROOT)}::{node.name}")
+    assert not unmarked, "start processes but are not marked slow: " + ", ".join(unmarked)

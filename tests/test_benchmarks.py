@@ -43,6 +43,7 @@ def smoke_results(tmp_path_factory):
     return out, runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(EXPECTED_KEYS))
 def test_benchmark_smoke(smoke_results, name):
     out, runs = smoke_results
@@ -78,6 +79,7 @@ def gpu_run_smoke(tmp_path_factory):
     return out, run
 
 
+@pytest.mark.slow
 def test_gpu_check_smoke_runs_on_the_cpu(gpu_run_smoke):
     out, run = gpu_run_smoke
     report = json.loads((out / "gpu_check.json").read_text())

@@ -12,6 +12,7 @@ from ..conftest import FAST, ROOT, final_metrics, run_cmd, run_train, torchrun
 pytestmark = pytest.mark.timeout(300)
 
 
+@pytest.mark.slow
 def test_zero3_two_ranks_each_hold_half_the_parameters(tmp_path):
     run = run_cmd(
         [*torchrun(2), str(ROOT / "tests" / "scripts" / "zero3_shards.py"), str(tmp_path)], timeout=180
@@ -49,6 +50,7 @@ def test_two_process_run_matches_one_process(tmp_path, strategy):
     assert not list(ROOT.glob("train.log"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_manual_backward_backward_step_matches_torch_at_every_stage(tmp_path, nproc):
     """Two engine.backward calls then engine.step == plain torch on the whole global batch,
@@ -63,6 +65,7 @@ def test_manual_backward_backward_step_matches_torch_at_every_stage(tmp_path, np
         assert max(errors.values()) < 1e-6, errors
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_predict_steps_return_outputs_in_dataset_order(tmp_path, nproc):
     script = str(ROOT / "tests" / "scripts" / "predict_steps.py")
@@ -73,6 +76,7 @@ def test_predict_steps_return_outputs_in_dataset_order(tmp_path, nproc):
     assert result == {"default": True, "iterator": True, "model method": True, "world_size": nproc}
 
 
+@pytest.mark.slow
 def test_pipeline_bf16_weights_are_saved_from_the_fp32_masters(tmp_path):
     script = str(ROOT / "tests" / "scripts" / "pipeline_bf16_export.py")
     run = run_cmd([*torchrun(2), script, str(tmp_path)], timeout=240)

@@ -181,6 +181,7 @@ def autoep_pythonpath() -> str:
     return os.pathsep.join([str(target), *inherited])
 
 
+@pytest.mark.slow
 def test_expert_parallel_on_two_ranks_equals_one_process(tmp_path, autoep_pythonpath):
     """A tiny Mixtral and a DeepSeek-V3 (4 experts, top 2; a shared expert and a router bias) with
     their experts split over 2 ranks, ZeRO 0-3, accumulation 1 and 2: one SGD step's whole weights
@@ -193,6 +194,7 @@ def test_expert_parallel_on_two_ranks_equals_one_process(tmp_path, autoep_python
         assert len(result["errors"]) == 2 * 4 * 2 * 2
 
 
+@pytest.mark.slow
 def test_expert_parallel_checkpoints_on_two_ranks(tmp_path, autoep_pythonpath):
     """ZeRO-3, experts split over 2 ranks: a crash after the step-2 checkpoint and `resume=auto`
     end with the uninterrupted run's weights; exporting that checkpoint and loading whole weights

@@ -147,6 +147,7 @@ def test_the_memory_estimate_counts_a_ranks_share():
 # ---------------------------------------------------------------------------------------- exactness
 
 
+@pytest.mark.slow
 def test_tensor_parallel_is_exact_on_two_ranks(tmp_path):
     """TP 2 x ZeRO 0-3 x accumulation 1/2 x (fit, run), the GPT (its own plan, fused q/k/v), a
     Llama (its Hugging Face tp_plan) and an MLP split by the strategy's plan: one SGD step on
@@ -160,6 +161,7 @@ def test_tensor_parallel_is_exact_on_two_ranks(tmp_path):
             assert 0.5 < share < 0.6, (case, share)  # split linears halved; embeddings and norms whole
 
 
+@pytest.mark.slow
 def test_tensor_and_data_parallel_on_four_ranks(tmp_path):
     """TP 2 x DP 2: the two replicas take different halves of the global batch."""
     results = run_layout_script(tmp_path, "gpt,llama", "tp2", "1,3", "2", "fit", ranks=4)

@@ -135,6 +135,7 @@ def test_what_sequence_parallelism_cannot_take_is_a_one_line_error():
     check_model(strategy, _mesh(0), _llama())  # sdpa, 4 heads, 2 key-value heads: fine
 
 
+@pytest.mark.slow
 def test_one_sgd_step_on_two_sequence_parallel_ranks_equals_one_process(tmp_path):
     """A Llama with loss=model, each of 2 ranks holding half of every padded sequence (2 to 16
     counted tokens): ZeRO 0-3 x accumulation 1/2, fit and run, weights (the gradient clipped at

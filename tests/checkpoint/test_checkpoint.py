@@ -97,6 +97,7 @@ def _two_checkpoint_run(tmp_path: Path) -> Path:
     return tmp_path / "checkpoints"
 
 
+@pytest.mark.slow
 def test_keep_last_k_prunes_and_latest_points_at_the_newest(tmp_path):
     ckpts = _two_checkpoint_run(tmp_path)
     names = sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step_"))
@@ -106,6 +107,7 @@ def test_keep_last_k_prunes_and_latest_points_at_the_newest(tmp_path):
     assert meta["step"] == 22 and meta["world_size"] == 1
 
 
+@pytest.mark.slow
 def test_auto_skips_a_partial_checkpoint_and_names_it_once(tmp_path, capfd):
     ckpts = _two_checkpoint_run(tmp_path)
     partial = ckpts / "step_00000030"
@@ -119,6 +121,7 @@ def test_auto_skips_a_partial_checkpoint_and_names_it_once(tmp_path, capfd):
     assert final_metrics(tmp_path)["step"] == 44
 
 
+@pytest.mark.slow
 def test_a_damaged_checkpoint_given_by_path_names_the_file(tmp_path):
     ckpts = _two_checkpoint_run(tmp_path)
     target = ckpts / "step_00000022" / "mp_rank_00_model_states.pt"
@@ -128,6 +131,7 @@ def test_a_damaged_checkpoint_given_by_path_names_the_file(tmp_path):
     assert "damaged" in run.stderr and "mp_rank_00_model_states.pt" in run.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("devices", [1, 2])
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, devices):
     # devices=2: the signal reaches the launching parent only; torch elastic forwards it
@@ -152,6 +156,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, devices):
     assert resumed.returncode == 0 and final_metrics(tmp_path)["step"] == 110
 
 
+@pytest.mark.slow
 def test_export_loads_strict_into_the_plain_model_with_the_same_predictions(tmp_path):
     run = run_train(["+strategy=zero3", "trainer.devices=2", *FAST], tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]

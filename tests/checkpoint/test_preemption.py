@@ -68,6 +68,7 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
         (signal.SIGUSR2, "launcher", 1),  # submitit's time-limit signal, one process
     ],
 )
+@pytest.mark.slow
 def test_a_preemption_signal_saves_and_ends_the_job_with_the_preempted_exit_code(
     tmp_path, signum, target, devices
 ):
@@ -91,6 +92,7 @@ def test_a_preemption_signal_saves_and_ends_the_job_with_the_preempted_exit_code
     assert json.loads((tmp_path / "status.json").read_text())["status"] == "preempted"
 
 
+@pytest.mark.slow
 def test_ctrl_c_ends_a_devices_2_job_with_130(tmp_path):
     """SIGINT is not preemption: the launcher passes it on and the job ends at once, 128 + 2 (a
     worker interrupted inside torch's process wrapper would otherwise exit 0 with no result and

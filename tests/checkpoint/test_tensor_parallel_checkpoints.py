@@ -84,6 +84,7 @@ def _shards(path: Path) -> list[dict[str, torch.Tensor]]:
     return [safety.load_safely(f)["module"] for f in sorted(path.glob("mp_rank_*_model_states.pt"))]
 
 
+@pytest.mark.slow
 def test_tp2_resumes_exactly_after_sigkill_and_exports_weights_that_reload(tp2_run, tmp_path):
     run_dir, args = tp2_run
     ckpts = run_dir / "checkpoints"
@@ -117,6 +118,7 @@ def test_tp2_resumes_exactly_after_sigkill_and_exports_weights_that_reload(tp2_r
     assert loss == pytest.approx(final_metrics(run_dir)["val_loss"], abs=1e-5)
 
 
+@pytest.mark.slow
 def test_a_tp2_checkpoint_continues_on_one_process_through_the_universal_format(tp2_run, tmp_path):
     run_dir, _ = tp2_run
     ckpts = run_dir / "checkpoints"

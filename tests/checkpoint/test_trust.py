@@ -82,6 +82,7 @@ class Payload:
 # ------------------------------------------------------------------------------------- 1. no code runs
 
 
+@pytest.mark.slow
 def test_a_checkpoint_that_would_run_code_is_refused_by_resume_and_export(tmp_path):
     ckpts = trained(tmp_path / "ckpts")
     path = store.find_resumable(ckpts)
@@ -192,6 +193,7 @@ def test_after_a_nan_the_named_checkpoint_gives_a_finite_loss_and_auto_resume_sk
 # ------------------------------------------------------------------------------------- 6. one run per dir
 
 
+@pytest.mark.slow
 def test_a_checkpoint_dir_in_use_by_a_live_run_is_refused_and_a_stale_lock_is_taken(tmp_path):
     lock = tmp_path / store.LOCK
     tmp_path.mkdir(exist_ok=True)
@@ -340,10 +342,12 @@ def test_keep_best_writes_only_inside_the_run_dir():
         (["model.in_features=abc"], ["model.in_features=abc: MLP takes an integer for in_features"]),
     ],
 )
+@pytest.mark.slow
 def test_bad_values_are_one_line_errors(tmp_path, args, words):
     fails_cleanly(run_train([*args, *FAST], tmp_path), *words)
 
 
+@pytest.mark.slow
 def test_resume_auto_says_when_there_is_nothing_to_resume(tmp_path):
     run = run_train([*FAST, "trainer.epochs=1", "trainer.max_steps=2", "trainer.resume=auto"], tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -363,6 +367,7 @@ def _can_mount_tmpfs(where: Path) -> bool:
     return probe.returncode == 0
 
 
+@pytest.mark.slow
 def test_disk_full_names_the_space_and_keeps_the_last_checkpoint(tmp_path):
     """The checkpoint dir on a 400 KiB filesystem: the first checkpoint fits, the second does not."""
     ckpt = tmp_path / "small"
@@ -389,6 +394,7 @@ def test_disk_full_names_the_space_and_keeps_the_last_checkpoint(tmp_path):
 # ------------------------------------------------------------------------------------- 2, 4, 10, 11: processes
 
 
+@pytest.mark.slow
 def test_the_python_api_under_torchrun_exits_zero_without_explicit_teardown(tmp_path):
     script = tmp_path / "fit.py"
     script.write_text(
@@ -411,6 +417,7 @@ def test_the_python_api_under_torchrun_exits_zero_without_explicit_teardown(tmp_
     assert len(printed) == 2 and "terminate called" not in run.stderr
 
 
+@pytest.mark.slow
 def test_a_stuck_rank_ends_the_job_within_the_timeout(tmp_path):
     stall = "+callbacks.stall={_target_:tests.helpers.StallOnRank,rank:1,step:3}"
     start = time.monotonic()
@@ -423,6 +430,7 @@ def test_a_stuck_rank_ends_the_job_within_the_timeout(tmp_path):
     assert elapsed < 20 + 45, elapsed  # the stall plus startup, not torch's 30 minutes
 
 
+@pytest.mark.slow
 def test_the_python_api_is_watched_too_when_given_a_timeout(tmp_path):
     script = (
         "import functools, torch\n"
@@ -459,6 +467,7 @@ class Squatter:
             self.conns.append(conn)
 
 
+@pytest.mark.slow
 def test_a_squatted_master_port_does_not_hang_a_run(tmp_path):
     # One process needs no port at all; the launcher's rendezvous must not pick the squatted one.
     squatter = Squatter()
@@ -471,6 +480,7 @@ def test_a_squatted_master_port_does_not_hang_a_run(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_a_worker_killed_by_a_signal_is_named_and_the_launcher_leaves_no_temp_dir(tmp_path):
     kill = "+callbacks.kill={_target_:tests.helpers.KillRank,rank:1,step:3}"
     temp = tmp_path / "tmp"
@@ -485,6 +495,7 @@ def test_a_worker_killed_by_a_signal_is_named_and_the_launcher_leaves_no_temp_di
     assert not list(temp.glob("torchelastic_*")) and not list(temp.glob("hydraspeed-launch-*"))
 
 
+@pytest.mark.slow
 def test_sigterm_to_launcher_and_workers_together_saves_and_exits_preempted(tmp_path):
     """What Slurm does: SIGTERM to every process of the job, then again (the launcher forwards its
     own too): the workers save once, the job exits EXIT_PREEMPTED (75) and resumes."""
@@ -509,6 +520,7 @@ def test_sigterm_to_launcher_and_workers_together_saves_and_exits_preempted(tmp_
     assert final_metrics(tmp_path)["step"] == 110
 
 
+@pytest.mark.slow
 def test_sigterm_with_no_checkpoint_to_save_exits_non_zero(tmp_path):
     """Checkpoints off: the preempted job cannot leave a checkpoint, so it does not claim success."""
     import signal

@@ -231,6 +231,7 @@ def test_a_timeout_too_short_for_a_start_is_refused(compose):
         check_schema(compose(["trainer.timeout_s=0.01"]))
 
 
+@pytest.mark.slow
 def test_cli_one_liners(tmp_path):
     """init_from a pickle with a payload; a 10,000-character hydra.run.dir; a read-only checkpoint dir."""
     from ..conftest import FAST, ROOT, fails_cleanly, run_cmd, run_train
@@ -281,6 +282,7 @@ def test_a_stopped_peer_ends_the_job_within_the_timeout_naming_it(tmp_path, stag
     assert ended - float(marker.read_text()) < 8 + 12, ended - float(marker.read_text())
 
 
+@pytest.mark.slow
 def test_long_work_is_bounded_by_a_multiple_of_the_timeout():
     """A save whose peers never come (rank 0 waits in the slow group's 12-hour barrier) ends at
     LONG_WORK x timeout_s with one line saying what it was doing."""
@@ -301,6 +303,7 @@ def test_long_work_is_bounded_by_a_multiple_of_the_timeout():
     assert elapsed < 6 + 10, elapsed
 
 
+@pytest.mark.slow
 def test_a_stopped_conversion_is_ended_with_one_line(tmp_path):
     """DeepSpeed's ds_to_universal stopped (SIGSTOP) during a conversion for another world size:
     killed before the watchdog's limit, a CheckpointError says so."""

@@ -39,6 +39,7 @@ def test_default_run_learns_digits_and_writes_its_files(tmp_path):
     assert "[INFO]" not in run.stdout + run.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_every_strategy_runs_end_to_end(tmp_path, strategy):
     run = run_train([f"+strategy={strategy}", *FAST], tmp_path)
@@ -52,10 +53,12 @@ def test_every_strategy_runs_end_to_end(tmp_path, strategy):
         assert "offload has nowhere to move states to; running ZeRO-3 | fp32" in run.stdout
 
 
+@pytest.mark.slow
 def test_unknown_strategy_lists_options(tmp_path):
     fails_cleanly(run_train(["strategy=zero9"], tmp_path), "zero9", "zero3", "zero3_offload")
 
 
+@pytest.mark.slow
 def test_typo_key_names_the_key(tmp_path):
     fails_cleanly(run_train(["trainer.epoch=3"], tmp_path), "trainer.epoch")
     fails_cleanly(
@@ -63,6 +66,7 @@ def test_typo_key_names_the_key(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_a_primary_config_in_ones_own_config_dir_passes_the_prechecks(tmp_path):
     """`-cd DIR -cn NAME`: the pre-checks find the primary config where Hydra does, so both
     forms of a group choice work and a typo'd key is named in one line."""
@@ -95,6 +99,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+@pytest.mark.slow
 def test_overriding_an_untyped_key_composes_the_config_once(tmp_path):
     """`optimizer.lr=...` (the commonest override) is checked where Hydra composes, not by a
     second composition before it; a typo in it is still named in one line."""
@@ -125,6 +130,7 @@ def test_the_dry_run_prints_the_deepspeed_config_the_runtime_passes(compose, cap
         end_group()
 
 
+@pytest.mark.slow
 def test_uneven_global_batch_says_which_numbers(tmp_path):
     run = run_train(["trainer.batch_size=100", "strategy.gradient_merge.k_steps=8"], tmp_path)
     fails_cleanly(
@@ -135,6 +141,7 @@ def test_uneven_global_batch_says_which_numbers(tmp_path):
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_every_experiment_runs_in_fast_mode(tmp_path, experiment):
     run = run_train([f"experiment={experiment}", "trainer.max_steps=3", "trainer.epochs=1"], tmp_path)
@@ -142,6 +149,7 @@ def test_every_experiment_runs_in_fast_mode(tmp_path, experiment):
     assert final_metrics(tmp_path)["step"] == 3
 
 
+@pytest.mark.slow
 def test_dry_run_prints_the_memory_plan_and_trains_nothing(tmp_path):
     run = run_train(["+dry_run=true", "+strategy=zero3"], tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -149,6 +157,7 @@ def test_dry_run_prints_the_memory_plan_and_trains_nothing(tmp_path):
     assert '"stage": 3' in run.stdout and not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_saved_deepspeed_config_is_what_deepspeed_received(tmp_path):
     """deepspeed_config.json holds the auto sizes DeepSpeed ran with (its own parsed config agrees)."""
     import functools

@@ -75,6 +75,7 @@ ERRORS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(ERRORS))
 def test_bad_input_ends_with_a_short_clear_message(tmp_path, case):
     args, words = ERRORS[case]
@@ -89,11 +90,13 @@ def test_bad_input_ends_with_a_short_clear_message(tmp_path, case):
     assert len(error_lines) <= 3, message
 
 
+@pytest.mark.slow
 def test_verbose_shows_the_traceback(tmp_path):
     run = run_train(["model._target_=framework.models.Nope", "trainer.verbose=true"], tmp_path)
     assert run.returncode != 0 and "Traceback" in run.stderr
 
 
+@pytest.mark.slow
 def test_a_nan_loss_keeps_the_last_good_checkpoint(tmp_path):
     run = run_train(["optimizer=sgd", "optimizer.lr=1e6", "trainer.checkpoint.save_freq=1"], tmp_path)
     assert run.returncode != 0
@@ -102,6 +105,7 @@ def test_a_nan_loss_keeps_the_last_good_checkpoint(tmp_path):
     assert saved and int(saved[-1].split("_")[1]) == bad_step - 1  # nothing saved at or after the bad step
 
 
+@pytest.mark.slow
 def test_metrics_jsonl_and_files_after_a_short_run(tmp_path):
     run = run_train([*FAST, "trainer.log_freq=4"], tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -117,6 +121,7 @@ def test_metrics_jsonl_and_files_after_a_short_run(tmp_path):
     assert (tmp_path / "checkpoints" / "latest").is_file()
 
 
+@pytest.mark.slow
 def test_non_tty_output_has_plain_lines_and_a_summary(tmp_path):
     run = run_train([*FAST], tmp_path)
     assert "\r" not in run.stdout and "\x1b[" not in run.stdout  # no redraws or colour codes in a log file
@@ -124,6 +129,7 @@ def test_non_tty_output_has_plain_lines_and_a_summary(tmp_path):
     assert "run summary" in run.stdout and f"outputs in {tmp_path}" in run.stdout
 
 
+@pytest.mark.slow
 def test_terminal_output_draws_a_progress_bar(tmp_path):
     """Under a (pseudo) terminal the console draws a live bar instead of plain lines."""
     import os
@@ -158,6 +164,7 @@ def test_terminal_output_draws_a_progress_bar(tmp_path):
     assert "run summary" in text
 
 
+@pytest.mark.slow
 def test_plot_command_for_a_run_and_a_sweep(tmp_path):
     run = run_train([*FAST], tmp_path / "run")
     assert run.returncode == 0
@@ -186,6 +193,7 @@ def _offline_runs(run_dir):
     return sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_holds_config_and_metrics(tmp_path):
     from ..helpers import read_wandb_run
 
@@ -213,6 +221,7 @@ def test_wandb_offline_run_holds_config_and_metrics(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_wandb_only_from_rank_0_and_disabled_is_respected(tmp_path):
     env = subprocess_env(WANDB_MODE="offline")
     run = run_train(["logger=wandb", "trainer.devices=2", *FAST], tmp_path / "two", env=env)
@@ -222,6 +231,7 @@ def test_wandb_only_from_rank_0_and_disabled_is_respected(tmp_path):
     assert run.returncode == 0 and not (tmp_path / "off" / "wandb").exists()
 
 
+@pytest.mark.slow
 def test_an_unreachable_wandb_server_does_not_stop_training(tmp_path):
     env = subprocess_env(
         WANDB_MODE="online",
@@ -234,6 +244,7 @@ def test_an_unreachable_wandb_server_does_not_stop_training(tmp_path):
     assert "could not reach the server" in run.stderr and final_metrics(tmp_path)["step"] == 22
 
 
+@pytest.mark.slow
 def test_callbacks_early_stopping_keep_best_and_lr_monitor(tmp_path):
     args = [
         "callbacks=[early_stopping,keep_best,lr_monitor]",
@@ -252,6 +263,7 @@ def test_callbacks_early_stopping_keep_best_and_lr_monitor(tmp_path):
     assert best.is_file() and final["best_val_loss"] == pytest.approx(final["val_loss"])
 
 
+@pytest.mark.slow
 def test_help_lists_groups_and_options():
     run = run_cmd([sys.executable, str(ROOT / "train.py"), "--help"])
     assert run.returncode == 0

@@ -137,6 +137,7 @@ print(applied, (process.memory_info().rss - before) / 2**20)
 @pytest.mark.skipif(
     not sys.platform.startswith("linux") or torch.cuda.is_available(), reason="glibc, CPU runs"
 )
+@pytest.mark.slow
 def test_freed_large_buffers_go_back_to_the_os_on_cpu():
     from ..conftest import run_cmd, subprocess_env
 
@@ -237,6 +238,7 @@ def test_auto_buckets_suit_deepspeed_for_any_parameter_count(stage):
     assert loss > 0
 
 
+@pytest.mark.slow
 def test_digits_are_scikit_learns_digits_without_importing_it():
     import numpy as np
     from sklearn.datasets import load_digits

@@ -145,6 +145,7 @@ def test_dataloader_from_generator():
     assert logs["loss"] > 0
 
 
+@pytest.mark.slow
 def test_cost_matches_measured_model_state_bytes():
     """Engine.cost() against the tensor bytes really alive after a backward (states, grads, params)."""
     for stage in (0, 1, 2, 3):

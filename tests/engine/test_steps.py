@@ -160,6 +160,7 @@ def test_model_methods_are_steps_too():
     assert engine.state.batches_fetched == 8 and history["val_loss"][0] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flavour, expect", [("two_batch", (11, 22, 44)), ("tbptt", (None, 20, 80))])
 def test_iterator_step_example(tmp_path, flavour, expect):
     out = tmp_path / "result.json"
@@ -176,6 +177,7 @@ def test_iterator_step_example(tmp_path, flavour, expect):
     assert result["loss"][-1] < result["loss"][0] or flavour == "tbptt" and result["loss"][0] < 4.0
 
 
+@pytest.mark.slow
 def test_iterator_step_from_config_counts_fetched_batches(tmp_path):
     step = "step={_target_:examples.iterator_step.two_batch_step,_partial_:true}"
     run = run_train([step, *FAST, "trainer.log_freq=2"], tmp_path)
@@ -186,6 +188,7 @@ def test_iterator_step_from_config_counts_fetched_batches(tmp_path):
     assert final_metrics(tmp_path)["batches"] == 22 and final_metrics(tmp_path)["step"] == 11
 
 
+@pytest.mark.slow
 def test_eval_step_from_config_replaces_the_default_validation(tmp_path):
     step = "eval_step={_target_:examples.iterator_step.two_batch_eval_step,_partial_:true}"
     run = run_train([step, *FAST], tmp_path)
@@ -228,11 +231,13 @@ def test_gpt_pipeline_learns_and_matches_the_unpipelined_run(tmp_path):
     assert final["val_loss"] == pytest.approx(final_metrics(tmp_path / "flat")["val_loss"], rel=1e-2)
 
 
+@pytest.mark.slow
 def test_pipeline_with_zero3_is_a_clear_error(tmp_path):
     run = run_train(["experiment=gpt_pipeline", "strategy.sharding.stage=3"], tmp_path)
     fails_cleanly(run, "cannot run with ZeRO stage 3", "0 and 1")
 
 
+@pytest.mark.slow
 def test_pipeline_stages_must_divide_processes(tmp_path):
     fails_cleanly(
         run_train(["experiment=gpt_pipeline", "trainer.devices=1"], tmp_path),
@@ -240,11 +245,13 @@ def test_pipeline_stages_must_divide_processes(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_unknown_pipeline_schedule(tmp_path):
     run = run_train(["experiment=gpt_pipeline", "strategy.pipeline.schedule=gpipe"], tmp_path)
     fails_cleanly(run, "schedule='gpipe' is not supported", "1F1B")
 
 
+@pytest.mark.slow
 def test_model_that_cannot_be_split(tmp_path):
     run = run_train(["strategy=pipeline", "model=cnn", "trainer.devices=2", *FAST], tmp_path)
     fails_cleanly(run, "CNN cannot be split into pipeline stages", "pipeline_layers()")

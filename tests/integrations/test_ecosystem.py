@@ -215,6 +215,7 @@ def test_a_hugging_face_model_built_partitioned_gets_its_own_initialisation():
 # ------------------------------------------------------------------------------------- HF export / fine-tune
 
 
+@pytest.mark.slow
 def test_hf_export_round_trips_and_fine_tuning_starts_from_the_directory(tmp_path):
     torch.manual_seed(0)
     engine = Engine(
@@ -347,6 +348,7 @@ def project(tmp_path):
 @pytest.mark.parametrize(
     "args, nproc", [([], 1), (["+strategy=zero3"], 1), (["+strategy=zero3", "trainer.devices=2"], 2)]
 )
+@pytest.mark.slow
 def test_the_cli_from_a_project_dir_matches_a_plain_pytorch_loop(project, reference, args, nproc):
     cmd = [
         sys.executable,
@@ -370,6 +372,7 @@ def run_cmd_in(cwd: Path, cmd: list[str]):
     return subprocess.run(cmd, cwd=cwd, env=subprocess_env(), capture_output=True, text=True, timeout=240)
 
 
+@pytest.mark.slow
 def test_a_project_config_dir_is_what_the_prechecks_see(project):
     """Options and keys of the user's own config dir are accepted; typos in them are one line."""
     base = [
@@ -401,6 +404,7 @@ def test_a_project_config_dir_is_what_the_prechecks_see(project):
     assert search.returncode == 0, search.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_the_tiny_llama_experiment_runs_under_zero3_on_two_processes(tmp_path):
     run = run_cmd([sys.executable, str(ROOT / "train.py"), "experiment=hf_llama_chars", "trainer.max_steps=4",
                    "data.dataset.max_chars=60000", "trainer.log_freq=2", f"hydra.run.dir={tmp_path}"], timeout=240)  # fmt: skip

@@ -134,6 +134,7 @@ def test_a_resume_after_a_crash_trains_like_an_uninterrupted_fit(tmp_path):
     assert_same_run(reference[0][:10] + lrs.lrs, weights(e), reference)
 
 
+@pytest.mark.slow
 def test_init_from_on_the_command_line_keeps_the_schedule(tmp_path):
     """`trainer.init_from` (the fine-tuning path) decays over the run's steps, like a run without it."""
     from safetensors.torch import save_file
@@ -160,6 +161,7 @@ def test_init_from_on_the_command_line_keeps_the_schedule(tmp_path):
 # ---------------------------------------------------------------------------------------- layout invariance
 
 
+@pytest.mark.slow
 def test_layout_invariance_on_two_ranks(tmp_path):
     """2 ranks x accumulation 1/4 x ZeRO 0-3, fit and run, the GPT with loss=lm and a Llama with
     loss=model: one SGD step on padded sequences (2 to 16 counted tokens) equals plain torch on

@@ -210,6 +210,7 @@ engine.close()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_consolidated_weights_save_waits_for_rank_0_without_a_stall(tmp_path):
     """What KeepBest and Control.save_weights call: rank 0 writes while the others wait for it
@@ -250,6 +251,7 @@ def test_skipped_fp16_steps_are_counted_and_never_advance_the_step(monkeypatch):
     assert st.first_bad_loss() is None
 
 
+@pytest.mark.slow
 def test_accelerator_cuda_without_a_gpu_is_one_line(tmp_path):
     fails_cleanly(
         run_train(["trainer.accelerator=cuda", *FAST], tmp_path), "trainer.accelerator=cuda, but torch"
@@ -274,6 +276,7 @@ def test_accelerator_cpu_tells_deepspeed_after_it_chose_cuda(monkeypatch):
         set_accelerator(before)
 
 
+@pytest.mark.slow
 def test_accelerator_cpu_trains_on_the_cpu(tmp_path):
     # DS_ACCELERATOR=cuda makes DeepSpeed pick CUDA on import, as it does on a GPU machine (and as a
     # parent process that trained on the GPU leaves it): the run must still train on the CPU.

@@ -20,6 +20,7 @@ from ..conftest import FAST, ROOT, final_metrics, popen, run_cmd, run_train
 pytestmark = pytest.mark.timeout(400)
 
 
+@pytest.mark.slow
 def test_devices_2_trains_and_returns_rank0_metric(compose, tmp_path):
     cfg = compose(["+strategy=zero3", "trainer.devices=2", *FAST])
     value = launch_job(cfg, str(tmp_path))  # spawns 2 workers from this process
@@ -29,6 +30,7 @@ def test_devices_2_trains_and_returns_rank0_metric(compose, tmp_path):
     assert not launched()  # the parent never joined a group
 
 
+@pytest.mark.slow
 def test_a_worker_that_raises_fails_the_job_fast_naming_the_rank(tmp_path):
     boom = "+callbacks.boom={_target_:tests.helpers.RaiseOnRank,rank:1,step:3}"
     start = time.monotonic()
@@ -41,12 +43,14 @@ def test_a_worker_that_raises_fails_the_job_fast_naming_the_rank(tmp_path):
     assert elapsed < 60  # not the 300 s collective timeout
 
 
+@pytest.mark.slow
 def test_devices_must_agree_with_the_launcher(tmp_path):
     run = run_train(["trainer.devices=3", *FAST], tmp_path, nproc=2)
     assert run.returncode != 0
     assert "trainer.devices=3 but the launcher started 2 processes" in run.stdout + run.stderr
 
 
+@pytest.mark.slow
 def test_devices_beyond_the_machine_is_a_clear_error(tmp_path):
     run = run_train(["trainer.devices=64"], tmp_path)
     assert run.returncode != 0 and "Traceback" not in run.stderr
@@ -88,6 +92,7 @@ def test_two_nodes_with_torchrun_match_one_node(tmp_path):
     assert two_nodes["val_loss"] == pytest.approx(one_node["val_loss"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_deepspeed_launcher_runs_train_py(tmp_path):
     launcher = shutil.which("deepspeed")
     if launcher is None:
@@ -140,6 +145,7 @@ def test_multirun_2x2_with_two_devices_per_job(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_a_failed_sweep_job_fails_the_sweep_and_is_named(tmp_path):
     args = [
         "-m",
@@ -159,6 +165,7 @@ def test_a_failed_sweep_job_fails_the_sweep_and_is_named(tmp_path):
     assert rows == {"trainer.batch_size=64": "ok", "trainer.batch_size=63": "failed"}
 
 
+@pytest.mark.slow
 def test_optuna_search_runs_three_trials(tmp_path):
     args = [
         "hparams_search=optuna",
@@ -174,6 +181,7 @@ def test_optuna_search_runs_three_trials(tmp_path):
     assert results["best_value"] == pytest.approx(min(values))
 
 
+@pytest.mark.slow
 def test_submitit_local_launcher_runs_a_job(tmp_path):
     args = ["-m", "hydra/launcher=submitit_local", *FAST, f"hydra.sweep.dir={tmp_path}"]
     run = run_cmd([sys.executable, str(ROOT / "train.py"), *args], timeout=240)

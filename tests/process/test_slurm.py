@@ -186,6 +186,7 @@ def reasons(ckpts: Path) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_plain_srun_with_two_tasks_on_two_nodes_forms_one_group(uninterrupted):
     run_dir, run = uninterrupted
     assert run.returncode == 0, run.stderr[-3000:]
@@ -213,6 +214,7 @@ def _signal_a_sweep(cluster, tmp_path, extra: list[str], timeout: float):
     return proc, job, out, err
 
 
+@pytest.mark.slow
 def test_a_time_limit_signal_under_submitit_saves_requeues_and_finishes_alike(
     cluster, uninterrupted, tmp_path
 ):
@@ -237,6 +239,7 @@ exit $code
 """
 
 
+@pytest.mark.slow
 def test_the_readme_sbatch_script_requeues_on_the_time_limit_signal_and_finishes_alike(
     cluster, uninterrupted, tmp_path
 ):
@@ -255,6 +258,7 @@ def test_the_readme_sbatch_script_requeues_on_the_time_limit_signal_and_finishes
     assert _numbers(tmp_path) == _numbers(uninterrupted[0])
 
 
+@pytest.mark.slow
 def test_scancel_saves_a_checkpoint_and_the_run_resumes_to_the_same_result(cluster, uninterrupted, tmp_path):
     command = f"srun python train.py {' '.join(repr(a) for a in ARGS)} hydra.run.dir={tmp_path}"
     submitted = cluster.run(["sbatch", "--parsable", "--nodes=2", "--ntasks=2", f"--chdir={ROOT}",
@@ -272,6 +276,7 @@ def test_scancel_saves_a_checkpoint_and_the_run_resumes_to_the_same_result(clust
     assert _numbers(tmp_path) == _numbers(uninterrupted[0])
 
 
+@pytest.mark.slow
 def test_what_slurm_refuses_is_one_line_not_a_traceback_or_a_silent_wait(cluster, tmp_path):
     def sweep(*extra: str):
         args = [
@@ -297,6 +302,7 @@ def test_what_slurm_refuses_is_one_line_not_a_traceback_or_a_silent_wait(cluster
     )  # cancelled, not left pending
 
 
+@pytest.mark.slow
 def test_a_preempted_job_submitit_does_not_requeue_is_summarised_preempted_and_fails_the_sweep(
     cluster, tmp_path
 ):
