@@ -105,9 +105,16 @@ def final_metrics(run_dir: Path) -> dict:
     return json.loads((run_dir / "final_metrics.json").read_text())
 
 
+# What a launcher sets: a process context sets them for a launcher-less process (and removes them
+# when it closes); none of them may outlive a test, or later runs would think they were launched.
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_AT_START = {key: os.environ.get(key) for key in LAUNCHER_VARIABLES}
+
+
 def end_group() -> None:
     """End this test process's default process group, whichever context made it, with
-    DeepSpeed's cached groups (a test that builds several engines wants each on a fresh group)."""
+    DeepSpeed's cached groups (a test that builds several engines wants each on a fresh group),
+    and the launcher variables the suite did not start with."""
     import torch.distributed as dist
 
     from framework.backend import deepspeed_globals
@@ -115,6 +122,9 @@ def end_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     deepspeed_globals.forget_groups()
+    for key, value in _AT_START.items():
+        if value is None:
+            os.environ.pop(key, None)
 
 
 @pytest.fixture(autouse=True)

@@ -290,7 +290,7 @@ def test_long_work_is_bounded_by_a_multiple_of_the_timeout():
 
     script = (
         "import time\n"
-        "from framework import watchdog\n"
+        "from framework.process import watchdog\n"
         "with watchdog.watching(1.5):\n"
         "    with watchdog.suspended(watchdog.LONG_WORK, 'saving a checkpoint'):\n"
         "        time.sleep(60)\n"

@@ -57,7 +57,7 @@ def fit_accuracy():
         MLP(), torch.nn.CrossEntropyLoss(), functools.partial(torch.optim.AdamW, lr=3e-3), accuracy()
     )
     history = engine.fit(train, valid, epochs=5, batch_size=64)
-    end_group()
+    engine.close()  # a module fixture: set up before the per-test fixture that restores the environment
     return history["val_accuracy"][-1]
 
 
