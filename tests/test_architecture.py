@@ -253,8 +253,8 @@ def _is_slow(decorators: list[ast.expr]) -> bool:
 
 def test_tests_that_start_processes_are_marked_slow():
     """The fast tier is unit tests and in-process checks: a test that starts another process
-    (train.py, torchrun, a launcher, a Slurm cluster), itself or through a helper of its module,
-    carries `@pytest.mark.slow` (or its module's `pytestmark` does)."""
+    (train.py, torchrun, a launcher, a Slurm cluster), itself, through a helper of its module or
+    through a fixture of it, carries `@pytest.mark.slow` (or its module's `pytestmark` does)."""
     unmarked = []
     for path in sorted((ROOT / "tests").rglob("test_*.py")):
         tree = ast.parse(path.read_text())
@@ -270,7 +270,8 @@ def test_tests_that_start_processes_are_marked_slow():
                 f.name for f in functions if not f.name.startswith("test_") and _starts_processes(f, helpers)
             }
         for node in functions:
-            if node.name.startswith("test_") and _starts_processes(node, helpers):
+            fixtures = {a.arg for a in node.args.args} & helpers  # a fixture of its module that starts them
+            if node.name.startswith("test_") and (_starts_processes(node, helpers) or fixtures):
                 if not (module_slow or _is_slow(node.decorator_list)):
                     unmarked.append(f"{path.relative_to(ROOT)}::{node.name}")
     assert not unmarked, "start processes but are not marked slow: " + ", ".join(unmarked)

@@ -27,6 +27,7 @@ EXPECTED_KEYS = {
     },
     "peers": {"task", "framework", "samples_per_s", "ours_over_theirs", "first_step_s"},
     "pipeline": {"micro_batches", "t1_ms", "t2_ms", "bubble_measured", "bubble_1f1b_theory"},
+    "streams": {"loader_tokens_per_s", "fit_tokens_per_s", "loader_over_consumption", "stream_over_map"},
 }
 
 
@@ -61,6 +62,7 @@ def test_benchmark_smoke(smoke_results, name):
     assert all(v == v and v >= 0 for v in numbers)  # measured, not NaN
 
 
+@pytest.mark.slow
 def test_summary_table_from_results(smoke_results):
     from benchmarks.run import summary
 
@@ -87,6 +89,7 @@ def test_gpu_check_smoke_runs_on_the_cpu(gpu_run_smoke):
     assert all(c["ok"] for c in report["checks"] if not c.get("skipped")), report["checks"]
 
 
+@pytest.mark.slow
 def test_gpu_run_prints_both_tables(gpu_run_smoke):
     out, run = gpu_run_smoke
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
@@ -95,6 +98,7 @@ def test_gpu_run_prints_both_tables(gpu_run_smoke):
     assert "### GPU benchmark: cpu" in text and text in run.stdout
 
 
+@pytest.mark.slow
 def test_gpu_bench_smoke_runs_every_row_on_the_cpu(gpu_run_smoke):
     """`benchmarks.gpu_bench --smoke`: ours, raw DeepSpeed with the identical JSON, each peer,
     offload (dropped on a CPU) and the compile rows, in one process, with both tables written."""
