@@ -18,7 +18,7 @@ from pathlib import Path
 
 from benchmarks.common import RESULTS, machine
 
-BENCHMARKS = ["overhead", "stalls", "first_step", "memory", "peers", "pipeline"]
+BENCHMARKS = ["overhead", "stalls", "first_step", "memory", "peers", "pipeline", "streams"]
 
 
 def _gpt_case(row: dict) -> str:
@@ -142,6 +142,11 @@ def summary(out_dir: Path, command: str) -> str:
             "reported",
             True,
         )
+    for row in _rows("streams", out_dir):
+        r = row["stream_over_map"]
+        add("streams: GPT step time, streaming data / the same blocks map-style", f"{r:.3f}", "<= 1.05", r <= 1.05)
+        r = row["loader_over_consumption"]
+        add("streams: loader tokens/s / tokens/s the step consumes", f"{r:.1f}", "> 1", r > 1)
     m = machine()
     head = (
         f"Measured {m['date']} with `{command}` on {m['cpu_count']} CPU cores, no GPU "

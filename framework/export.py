@@ -30,10 +30,9 @@ import torch
 from framework.backend import checkpoint_files, expert_parallel
 from framework.backend.weights import load_weights, save_weights
 from framework.checkpoint import safety, store
-from framework.checkpoint.manager import HF_CONFIG, HF_PREFIX
 from framework.errors import CheckpointError, ConfigError
 from framework.integrations import hf
-from framework.integrations.hf import TOKENIZER_DIR
+from framework.integrations.hf import HF_CONFIG, HF_PREFIX, TOKENIZER_DIR
 
 
 def fp32_state_dict(ckpt: str | Path) -> dict[str, torch.Tensor]:

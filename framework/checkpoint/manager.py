@@ -23,7 +23,7 @@ import torch
 from framework.backend.weights import whole_shape
 from framework.checkpoint import preemption, safety, store
 from framework.errors import CheckpointError, ConfigError
-from framework.integrations.hf import hf_model_in
+from framework.integrations.hf import save_model_config
 from framework.observe.callbacks import Callback
 from framework.observe.metrics import Metrics
 from framework.observe.state import LoopState
@@ -122,26 +122,6 @@ def _differences(path: Path, saved: dict[str, Any], now: dict[str, Any]) -> str 
         more = f" and {len(names) - 3} more" if len(names) > 3 else ""
         return f"checkpoint {path} was saved from another model: {shown}{more}; {fresh}"
     return None
-
-
-HF_CONFIG = "hf_config"  # a Hugging Face model's config.json, for `framework.export --hf`
-HF_PREFIX = "weights_prefix"  # in HF_CONFIG: where the HF model sits in a wrapper's state dict ("lm.")
-
-
-def save_model_config(module: Any, path: Path) -> None:
-    """A Hugging Face model's config (and generation config) next to its weights, so an export
-    can write a `save_pretrained` directory; for a wrapper, also where the model's weights are."""
-    found = hf_model_in(module)
-    if found is None:
-        return
-    prefix, model = found
-    model.config.architectures = [type(model).__name__]  # what save_pretrained records, for from_pretrained
-    model.config.save_pretrained(str(path / HF_CONFIG))
-    generation = getattr(model, "generation_config", None)
-    if generation is not None and hasattr(generation, "save_pretrained"):
-        generation.save_pretrained(str(path / HF_CONFIG))
-    if prefix:
-        (path / HF_CONFIG / HF_PREFIX).write_text(prefix)
 
 
 def _check_finite(parts: Stateful) -> None:
@@ -275,11 +255,24 @@ def _load(parts: Stateful, path: Path) -> None:
         restore_rng(saved["rng"], job.device)
         return
     # Another layout: continue at the same sample of the epoch's order.
+    state.loader_state = _stream_position(path, meta, saved["loop"].get("loader_state"))
     consumed = state.batches_in_epoch * int(meta["micro_batch_size"]) * int(meta["dp_size"])
     assert runtime.layout is not None
     state.batches_in_epoch = consumed // (runtime.layout.micro_batch_size * runtime.dp_size)
     per_call = runtime.strategy.accumulation_steps if runtime.strategy.uses_pipeline else 1
     state.step_calls = state.batches_in_epoch // per_call
+
+
+def _stream_position(path: Path, meta: dict[str, Any], mine: Any) -> dict[str, Any] | None:
+    """A stream's position for another layout: every saving rank's shards, merged (a shard's
+    position holds on any layout: `framework.data.streams`); None for map-style data."""
+    if not (isinstance(mine, dict) and "stream" in mine):
+        return None
+    shards: dict[Any, Any] = {}
+    for rank in range(int(meta["world_size"])):
+        theirs = safety.load_safely(store.rank_file(path, rank))["loop"].get("loader_state") or {}
+        shards.update(theirs.get("shards", {}))
+    return {**mine, "shards": shards}
 
 
 def newest(ckpt: str | Path, process: ProcessContext | None = None) -> Path:

@@ -42,6 +42,7 @@ class DataConfig:
 
     dataset: Any = MISSING  # {_target_: ...} -> framework.data.datasets.Splits(train, valid) or DatasetDict
     shuffle: bool = True  # shuffle the training set each epoch
+    shuffle_window: int = 1000  # a stream's examples permuted at a time when shuffled (map-style: unused)
     num_workers: int = 0  # DataLoader worker processes
     prefetch: int = 2  # batches kept ready on the device ahead of the step
     label_key: str = "labels"  # the labels' key in dict batches (the model gets the rest: model(**batch))
@@ -68,6 +69,7 @@ class TrainerConfig:
     steps_per_epoch: int | None = None  # cap optimizer steps per epoch
     batch_size: int = 64
     valid_batch_size: int | None = None  # default: batch_size
+    valid_steps: int | None = None  # cap the batches of a validation (default: all; a stream: to its end)
     valid_freq: int = 1  # validate every N epochs
     valid_every: int | None = None  # deprecated name of valid_freq
     valid_at_start: bool = False  # also validate before the first step (the starting point of the curve)
@@ -132,6 +134,8 @@ MINIMUM: dict[str, int | float] = {
     "trainer.steps_per_epoch": 1,
     "trainer.batch_size": 1,
     "trainer.valid_batch_size": 1,
+    "trainer.valid_steps": 1,
+    "data.shuffle_window": 0,
     "trainer.valid_freq": 1,
     "trainer.valid_every": 1,
     "trainer.devices": 1,

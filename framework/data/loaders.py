@@ -20,7 +20,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from framework.data.outputs import batch_size_of
+from framework.data.stream_loader import StreamLoader
+from framework.data.streams import as_stream
 from framework.errors import ConfigError
 
 
@@ -84,6 +85,23 @@ def train_loader(
         collate_fn=collate_fn,
         num_workers=num_workers,
     )
+
+
+def stream_loader(
+    data: Any,
+    micro_batch_size: int,
+    dp_size: int,
+    dp_rank: int,
+    shuffle_window: int = 0,
+    seed: int = 0,
+    collate_fn: Callable | None = None,
+    num_workers: int = 0,
+    drop_last: bool = True,
+) -> StreamLoader:
+    """This rank's loader of a stream (`framework.data.streams`): a `Stream` as it says, other
+    iterable data with the shuffle window and seed given."""
+    stream = as_stream(data, shuffle_window, seed)
+    return StreamLoader(stream, micro_batch_size, dp_size, dp_rank, num_workers, drop_last, collate_fn)
 
 
 def eval_loader(
@@ -257,72 +275,6 @@ class BatchIterator:
         if self._on_fetch is not None:
             self._on_fetch(batch)
         return batch
-
-
-class DeviceLoader:
-    """What `Engine.dataloader` returns: `epochs` epochs of this rank's batches, already on the
-    device (prefetched in the background), at most `steps_per_epoch` batches per epoch.
-
-    For evaluation shards, `last_unpadded` is how many samples of the batch just handed out are
-    not padding (the padding evens the shards so every rank runs the same number of batches).
-    `on_epoch(epoch)` runs before each epoch (the engine resets this mode's metrics there).
-    """
-
-    def __init__(
-        self,
-        loader: Any,
-        transfer: Callable[[Any], Any],
-        epochs: int = 1,
-        steps_per_epoch: int | None = None,
-        prefetch: int = 2,
-        global_batch_size: int | None = None,
-        unpadded: int | None = None,
-        on_epoch: Callable[[int], None] | None = None,
-    ):
-        self.loader, self.transfer, self.epochs = loader, transfer, epochs
-        self.steps_per_epoch, self.prefetch = steps_per_epoch, prefetch
-        self.global_batch_size = global_batch_size
-        self.unpadded = unpadded
-        self.on_epoch = on_epoch
-        self.last_batch: Any = None
-        self.last_unpadded: int | None = None
-        self.epoch = 0
-
-    def batches_per_epoch(self) -> int | None:
-        """Batches each epoch yields, when the source has a length."""
-        try:
-            n = len(self.loader)
-        except TypeError:
-            return self.steps_per_epoch
-        return min(n, self.steps_per_epoch) if self.steps_per_epoch is not None else n
-
-    def __len__(self) -> int:
-        per = self.batches_per_epoch()
-        if per is None:
-            raise TypeError("this loader's length is unknown (a generator source without steps_per_epoch)")
-        return per * self.epochs
-
-    def __iter__(self) -> Iterator[Any]:
-        for epoch in range(self.epochs):
-            self.epoch = epoch
-            if self.on_epoch is not None:
-                self.on_epoch(epoch)
-            sampler: Any = getattr(self.loader, "sampler", None)
-            if hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(epoch)
-            source = Prefetcher(iter(self.loader), self.transfer, depth=self.prefetch)
-            remaining = self.unpadded
-            try:
-                for i, (batch, _) in enumerate(source):
-                    if self.steps_per_epoch is not None and i >= self.steps_per_epoch:
-                        break
-                    if remaining is not None:
-                        self.last_unpadded = min(batch_size_of(batch), remaining)
-                        remaining -= self.last_unpadded
-                    self.last_batch = batch
-                    yield batch
-            finally:
-                source.close()
 
 
 class GeneratorDataset(torch.utils.data.IterableDataset):

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from framework.data.outputs import is_model_loss
+from framework.data.streams import is_stream
 from framework.errors import ConfigError
 
 
@@ -54,8 +55,9 @@ def _metric_items(metrics: Any) -> Iterable[tuple[str, Any]]:
 
 
 def check_dataset(data: Any, name: str, optional: bool = False) -> None:
-    """Raise a ConfigError when `data` (an argument called `name`) is not a sized dataset."""
-    if data is None and optional:
+    """Raise a ConfigError when `data` (an argument called `name`) is neither a sized dataset nor
+    a stream (`framework.data.streams.is_stream`)."""
+    if data is None and optional or is_stream(data):
         return
     if isinstance(data, (str, bytes, int, float, bool)) or data is None or not isinstance(data, Sized):
         hint = (
@@ -64,7 +66,8 @@ def check_dataset(data: Any, name: str, optional: bool = False) -> None:
             else ""
         )
         raise ConfigError(
-            f"{name} must be a map-style dataset (with len() and indexing), got {_kind(data)}{hint}"
+            f"{name} must be a map-style dataset (with len() and indexing) or iterable data (a torch "
+            f"IterableDataset, a datasets.IterableDataset, a framework.data.streams.Stream), got {_kind(data)}{hint}"
         )
 
 

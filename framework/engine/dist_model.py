@@ -18,6 +18,9 @@ from torch import nn
 from torch.utils.data import DataLoader, RandomSampler
 
 from framework.data import loaders as data_lib
+from framework.data.device_loader import DeviceLoader
+from framework.data.stream_loader import StreamLoader
+from framework.data.streams import is_stream
 from framework.data.transfer import Copier
 from framework.engine.engine import Engine
 from framework.errors import ConfigError
@@ -43,6 +46,12 @@ class DistModel:
     ):
         self._engine = Engine(layer, loss, optimizer, metrics, strategy=strategy)
         self._batch_size = _global_batch_size(loader, self._engine)
+        if (
+            isinstance(loader, DeviceLoader)
+            and isinstance(loader.loader, StreamLoader)
+            and loader.agree is None
+        ):
+            loader.agree = self._engine.process.all_ranks  # the ranks end a stream's pass together
         self._input_spec = input_spec
         self._mode: str | None = None
         if loss is not None and optimizer is not None:
@@ -151,12 +160,14 @@ def to_static(
 
 def shard_dataloader(
     loader: DataLoader, engine: Engine | None = None, seed: int = 0, epochs: int = 1, prefetch: int = 2
-) -> data_lib.DeviceLoader:
+) -> DeviceLoader:
     """Turn an ordinary `DataLoader` into this rank's share of it, batches on the device.
 
     Its `batch_size` is read as the global batch (split over data-parallel ranks); a shuffling
     loader becomes a seeded distributed shuffle, a sequential one stays in order; the dataset,
-    collate_fn, num_workers and drop_last are kept."""
+    collate_fn, num_workers and drop_last are kept. A loader of iterable data becomes this rank's
+    share of the stream (`framework.data.streams`); its ranks end a pass together once an engine
+    (or `to_static`) knows them."""
     if not isinstance(loader, DataLoader) or loader.batch_size is None:
         raise TypeError("shard_dataloader needs a torch DataLoader built with batch_size=...")
     process = ProcessContext.from_launcher() if engine is None else None  # no group needed to deal shares
@@ -169,6 +180,13 @@ def shard_dataloader(
         )
     shuffle = isinstance(loader.sampler, RandomSampler)
     per_rank = loader.batch_size // dp_size
+    transfer = engine.transfer if engine is not None else Copier(process.device)  # type: ignore[union-attr]
+    if is_stream(loader.dataset):
+        stream = data_lib.stream_loader(
+            loader.dataset, per_rank, dp_size, dp_rank, 0, seed, loader.collate_fn, loader.num_workers
+        )
+        agree = engine.process.all_ranks if engine is not None else None
+        return DeviceLoader(stream, transfer, epochs, None, prefetch, loader.batch_size, agree=agree)
     sharded = data_lib.train_loader(
         loader.dataset,
         per_rank,
@@ -180,8 +198,7 @@ def shard_dataloader(
         loader.collate_fn,
         loader.num_workers,
     )
-    transfer = engine.transfer if engine is not None else Copier(process.device)  # type: ignore[union-attr]
-    return data_lib.DeviceLoader(sharded, transfer, epochs, None, prefetch, loader.batch_size)
+    return DeviceLoader(sharded, transfer, epochs, None, prefetch, loader.batch_size)
 
 
 __all__ = ["DistModel", "shard_dataloader", "to_static"]

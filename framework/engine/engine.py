@@ -29,7 +29,7 @@ from framework.backend import estimate as cost_lib
 from framework.backend import weights
 from framework.backend.ds_config import configures_optimizer
 from framework.backend.runtime import Runtime
-from framework.data import loaders as data_lib
+from framework.data.device_loader import DeviceLoader
 from framework.data.outputs import ModelLoss, is_model_loss
 from framework.engine import evaluation, fine_grained, loops
 from framework.engine.arguments import check_dataset, check_engine_arguments
@@ -258,7 +258,7 @@ class Engine:
         self, dataset: Any, batch_size: int = 1, shuffle: bool = False, drop_last: bool = False,
         collate_fn: Callable | None = None, num_workers: int = 0, epochs: int = 1,
         steps_per_epoch: int | None = None, mode: str | None = None,
-    ) -> data_lib.DeviceLoader:  # fmt: skip
+    ) -> DeviceLoader:  # fmt: skip
         """This rank's share of `dataset` in global batches of `batch_size`, on the device, for
         `epochs` epochs; prepares `mode` (default: the engine's current mode, "train" before any)
         if it is not prepared yet. Each epoch starts this mode's metrics afresh.
@@ -276,7 +276,7 @@ class Engine:
     def dataloader_from_generator(
         self, generator: Any, batch_size: int = 1, epochs: int = 1, steps_per_epoch: int | None = None,
         collate_fn: Callable | None = None, mode: str | None = None,
-    ) -> data_lib.DeviceLoader:  # fmt: skip
+    ) -> DeviceLoader:  # fmt: skip
         """Legacy path for a Python generator of samples (a callable returning an iterator, or a
         re-iterable): samples are dealt round-robin to ranks and collated into global batches."""
         return fine_grained.generator_loader(

@@ -16,6 +16,7 @@ import torch
 
 from framework.backend.runtime import Runtime
 from framework.data import loaders as data_lib
+from framework.data.device_loader import DeviceLoader
 from framework.data.outputs import batch_size_of, concat, interleave, map_tensors, split_samples, take
 from framework.engine import finite
 from framework.engine.steps import (
@@ -64,7 +65,7 @@ class Host(Protocol):
         epochs: int = 1,
         steps_per_epoch: int | None = None,
         mode: str = "train",
-    ) -> data_lib.DeviceLoader: ...
+    ) -> DeviceLoader: ...
 
     def save(self, path: str, training: bool = True) -> str: ...
 

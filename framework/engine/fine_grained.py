@@ -12,7 +12,9 @@ from typing import Any
 import torch
 
 from framework.data import loaders as data_lib
+from framework.data.device_loader import DeviceLoader
 from framework.data.outputs import batch_size_of, take
+from framework.data.streams import SHUFFLE_WINDOW, is_stream
 from framework.engine import fetches
 from framework.engine.evaluation import Host, detached, eval_mode
 from framework.engine.items import step_weights
@@ -41,9 +43,9 @@ class PaddingTracker:
     them just yielded are not padding."""
 
     def __init__(self) -> None:
-        self._loaders: list[weakref.ref[data_lib.DeviceLoader]] = []
+        self._loaders: list[weakref.ref[DeviceLoader]] = []
 
-    def track(self, loader: data_lib.DeviceLoader) -> data_lib.DeviceLoader:
+    def track(self, loader: DeviceLoader) -> DeviceLoader:
         """Remember `loader`; returns it."""
         self._loaders = [r for r in self._loaders if r() is not None] + [weakref.ref(loader)]
         return loader
@@ -67,12 +69,16 @@ def dataloader(
     num_workers: int = 0,
     epochs: int = 1,
     steps_per_epoch: int | None = None,
-) -> data_lib.DeviceLoader:
+) -> DeviceLoader:
     """This rank's share of `dataset` for `mode` (see `Engine.dataloader`); prepares `mode`."""
     check_mode(mode)
     runtime = host.runtime
     runtime.start()
     metrics = host.metrics.for_mode(mode)
+    if is_stream(dataset):
+        return _stream_dataloader(
+            host, dataset, batch_size, mode, shuffle, collate_fn, num_workers, epochs, steps_per_epoch
+        )
     if mode == "train":
         layout = runtime.fix_layout(batch_size)
         per_rank = layout.micro_batch_size * layout.accumulation_steps
@@ -97,7 +103,7 @@ def dataloader(
             dataset, per_rank, runtime.dp_size, runtime.dp_rank, collate_fn, num_workers
         )
         unpadded = loader.sampler.unpadded
-    return data_lib.DeviceLoader(
+    return DeviceLoader(
         loader,
         runtime.copier,
         epochs,
@@ -109,6 +115,37 @@ def dataloader(
     )
 
 
+def _stream_dataloader(
+    host: Host, data: Any, batch_size: int, mode: str, shuffle: bool, collate_fn: Callable | None,
+    num_workers: int, epochs: int, steps_per_epoch: int | None,
+) -> DeviceLoader:  # fmt: skip
+    """`dataloader` over a stream: a training pass ends on every rank at the first batch one of
+    them lacks; evaluation pads the ranks whose stream ended until every rank's has."""
+    runtime, metrics = host.runtime, host.metrics.for_mode(mode)
+    train = mode == "train"
+    if train:
+        if steps_per_epoch is None:
+            raise ConfigError(
+                "dataloader(<a stream>, mode='train') needs steps_per_epoch: a stream has no length, and "
+                "the learning-rate schedule needs the number of steps"
+            )
+        layout = runtime.fix_layout(batch_size)
+        per_rank = layout.micro_batch_size * layout.accumulation_steps
+        host.schedule(epochs * steps_per_epoch)  # one optimizer step per batch
+    else:
+        per_rank = eval_split(runtime.mesh, batch_size)
+    window = SHUFFLE_WINDOW if shuffle and train else 0
+    loader = data_lib.stream_loader(
+        data, per_rank, runtime.dp_size, runtime.dp_rank, window, host.seed, collate_fn, num_workers,
+        drop_last=train,
+    )  # fmt: skip
+    host.prepare(mode, batch_size if train else None)
+    return DeviceLoader(
+        loader, runtime.copier, epochs, steps_per_epoch, host.prefetch, batch_size,
+        on_epoch=lambda _: metrics.reset(), agree=runtime.process.all_ranks, pad=not train,
+    )  # fmt: skip
+
+
 def generator_loader(
     host: Host,
     generator: Any,
@@ -117,7 +154,7 @@ def generator_loader(
     epochs: int = 1,
     steps_per_epoch: int | None = None,
     collate_fn: Callable | None = None,
-) -> data_lib.DeviceLoader:
+) -> DeviceLoader:
     """Samples of a Python generator dealt round-robin to ranks (see `Engine.dataloader_from_generator`)."""
     check_mode(mode)
     runtime = host.runtime
@@ -130,7 +167,7 @@ def generator_loader(
     source = data_lib.GeneratorDataset(generator, runtime.dp_size, runtime.dp_rank)
     loader = torch.utils.data.DataLoader(source, batch_size=per_rank, drop_last=True, collate_fn=collate_fn)
     host.prepare(mode, batch_size if mode == "train" else None)
-    return data_lib.DeviceLoader(loader, runtime.copier, epochs, steps_per_epoch, host.prefetch, batch_size)
+    return DeviceLoader(loader, runtime.copier, epochs, steps_per_epoch, host.prefetch, batch_size)
 
 
 def run(

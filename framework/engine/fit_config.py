@@ -7,7 +7,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from framework.data.streams import SHUFFLE_WINDOW
 from framework.engine.arguments import options_of
+from framework.errors import ConfigError
+
+_OPTIONAL = ("steps_per_epoch", "max_steps", "valid_batch_size", "valid_steps")
 
 
 @dataclass
@@ -15,7 +19,9 @@ class FitConfig:
     """How `fit` trains: `Engine.fit`'s keyword arguments (the CLI fills them from `trainer.*`).
 
     `batch_size` is global; `steps_per_epoch` caps optimizer steps per epoch; `log_freq` is in
-    optimizer steps; with `save_dir`, a checkpoint every `save_freq` optimizer steps (0: only at
+    optimizer steps; training data that is a stream (`framework.data.streams`) needs `max_steps`
+    (or `steps_per_epoch`), is shuffled `shuffle_window` examples at a time when `shuffle` is on,
+    and `valid_steps` caps the batches of a validation (default: the whole validation data); with `save_dir`, a checkpoint every `save_freq` optimizer steps (0: only at
     the end), the newest `keep_last_k` kept; `resume` ("auto" or a path) continues one;
     `handle_preemption` saves and stops at the next step boundary after SIGTERM; with `timeout_s`,
     a rank that makes no progress for that long says so, with its threads' stacks, and exits 1
@@ -31,6 +37,8 @@ class FitConfig:
     shuffle: bool = True
     collate_fn: Callable | None = None
     num_workers: int = 0
+    shuffle_window: int = SHUFFLE_WINDOW
+    valid_steps: int | None = None
     valid_at_start: bool = False
     save_dir: str | None = None
     save_freq: int = 0
@@ -42,6 +50,16 @@ class FitConfig:
     progress: bool = (
         True  # rank 0 prints progress as the CLI does, unless a ConsoleLogger is among the callbacks
     )
+
+    def __post_init__(self) -> None:
+        for name in ("epochs", "batch_size", "steps_per_epoch", "valid_freq", "log_freq", "max_steps",
+                     "valid_batch_size", "valid_steps"):  # fmt: skip
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                allowed = "a whole number >= 1" + (", or None" if name in _OPTIONAL else "")
+                raise ConfigError(f"fit({name}={value!r}): {name} must be {allowed}")
+        if not isinstance(self.shuffle_window, int) or self.shuffle_window < 0:
+            raise ConfigError(f"fit(shuffle_window={self.shuffle_window!r}): a whole number of examples >= 0")
 
     def as_kwargs(self) -> dict[str, Any]:
         """The fields as keyword arguments (shallow: collate_fn stays the same object)."""

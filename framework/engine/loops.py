@@ -8,31 +8,25 @@ step really consumed. Losses stay on the device; they are read at logging points
 
 from __future__ import annotations
 
-import contextlib
-import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from framework import checkpoint
 from framework.data import loaders as data_lib
-from framework.data.outputs import batch_size_of
+from framework.data.device_loader import set_epoch
+from framework.data.stream_loader import StreamLoader
+from framework.data.streams import is_stream
+from framework.engine.epoch import train_epoch
 from framework.engine.evaluation import Host, evaluate
 from framework.engine.fit_config import FitConfig
-from framework.engine.items import step_weights
-from framework.engine.steps import apply_train_result, bind_step, default_train_step
-from framework.errors import NonFiniteLoss
+from framework.errors import CheckpointError, ConfigError, NonFiniteLoss
 from framework.observe.callbacks import Callback, CallbackList, Control, Event
 from framework.observe.loggers import ConsoleLogger
 from framework.observe.state import LoopState
 from framework.observe.throughput import Speedometer
-from framework.plan.run_plan import Budget, RunPlan, step_budget
-from framework.process import watchdog
-from framework.process.context import ProcessContext
-
-# A step that pulls no batch this many times in a row would never end an epoch.
-MAX_IDLE_CALLS = 10_000
+from framework.plan.run_plan import Budget, RunPlan, step_budget, stream_budget
 
 
 def plan_fit(host: Host, train_data: Any, cfg: FitConfig) -> tuple[RunPlan, Any]:
@@ -40,11 +34,23 @@ def plan_fit(host: Host, train_data: Any, cfg: FitConfig) -> tuple[RunPlan, Any]
     runtime = host.runtime
     runtime.start()
     layout = runtime.fix_layout(cfg.batch_size)
-    loader = data_lib.train_loader(
-        train_data, layout.micro_batch_size, runtime.dp_size, runtime.dp_rank, cfg.shuffle, host.seed,
-        collate_fn=cfg.collate_fn, num_workers=cfg.num_workers,
-    )  # fmt: skip
-    budget = step_budget(layout, len(loader), cfg.epochs, cfg.steps_per_epoch, cfg.max_steps)
+    if is_stream(train_data):  # iterable data: the budget comes from max_steps (or steps_per_epoch)
+        if runtime.strategy.uses_pipeline:
+            raise ConfigError(
+                "pipeline parallelism needs map-style data (a stream's end cannot be told to the middle stages)"
+            )
+        window = cfg.shuffle_window if cfg.shuffle else 0
+        loader: Any = data_lib.stream_loader(
+            train_data, layout.micro_batch_size, runtime.dp_size, runtime.dp_rank, window, host.seed,
+            cfg.collate_fn, cfg.num_workers,
+        )  # fmt: skip
+        budget = stream_budget(layout, cfg.epochs, cfg.steps_per_epoch, cfg.max_steps)
+    else:
+        loader = data_lib.train_loader(
+            train_data, layout.micro_batch_size, runtime.dp_size, runtime.dp_rank, cfg.shuffle, host.seed,
+            collate_fn=cfg.collate_fn, num_workers=cfg.num_workers,
+        )  # fmt: skip
+        budget = step_budget(layout, len(loader), cfg.epochs, cfg.steps_per_epoch, cfg.max_steps)
     resume_from = checkpoint.resolve(cfg.resume, cfg.save_dir, runtime.process) if cfg.resume else None
     universal = resume_from is not None and checkpoint.needs_universal(resume_from, runtime.mesh)
     dtype = str(runtime.compute_dtype).removeprefix("torch.")
@@ -111,7 +117,7 @@ def _epochs(
             break
         resuming = epoch == st.epoch and st.batches_in_epoch > 0  # a checkpoint taken mid-epoch
         st.epoch = epoch
-        loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+        set_epoch(loader, epoch)
         if resuming:
             _restore_position(loader, st)
         logs = train_epoch(host, events, loader, budget, cfg.log_freq, resuming, speed)
@@ -180,7 +186,10 @@ def _validate(
     """Evaluate, fire VALIDATION_END with the val_* values in the logs, and return them."""
     host.prepare("eval")
     batch_size = cfg.valid_batch_size or cfg.batch_size
-    val = {f"val_{k}": v for k, v in evaluate(host, valid_data, batch_size, None, cfg.collate_fn).items()}
+    val = {
+        f"val_{k}": v
+        for k, v in evaluate(host, valid_data, batch_size, cfg.valid_steps, cfg.collate_fn).items()
+    }
     host.state.logs = {**(logs or {}), **val}
     if history_prefix is not None:
         for key, value in val.items():
@@ -190,11 +199,15 @@ def _validate(
 
 
 def _restore_position(loader: Any, st: LoopState) -> None:
-    """Put the loader where the checkpoint's step left it: its saved state (same world size), or
-    the same global sample skipped to (another world size)."""
+    """Put the loader where the checkpoint's step left it: its saved state (same world size; a
+    stream's on any), or the same global sample skipped to (another world size)."""
     if st.loader_state is not None:
         loader.load_state_dict(st.loader_state)
         return
+    if isinstance(loader, StreamLoader):
+        raise CheckpointError(
+            "the checkpoint holds no position in this stream (it was saved by map-style data)"
+        )
     skipped = st.batches_in_epoch
     state = loader.state_dict()
     state.update(
@@ -203,196 +216,3 @@ def _restore_position(loader: Any, st: LoopState) -> None:
         _num_yielded=skipped,
     )
     loader.load_state_dict(state)
-
-
-# ---------------------------------------------------------------------------------------- one epoch
-
-
-def train_epoch(
-    host: Host,
-    events: CallbackList,
-    loader: Any,
-    budget: Budget,
-    log_freq: int,
-    resuming: bool = False,
-    speed: Speedometer | None = None,
-) -> dict[str, Any]:
-    """One epoch: call the step while batches are left (a step is never called on an empty epoch)
-    and the epoch's optimizer steps are not all taken, or until training stops. `resuming`
-    continues an epoch a checkpoint interrupted. A step cut short by the end of the data
-    (StopIteration) counts the optimizer steps it took and drops the gradients it left open."""
-    st, runtime = host.state, host.runtime
-    runtime.train()
-    if not resuming:
-        host.metrics.train.reset()
-        st.start_epoch()
-    events.fire(Event.EPOCH_START, st)
-
-    def on_fetch(batch: Any) -> None:
-        st.batches_in_epoch += 1
-        st.batches_fetched += 1
-        st.samples_seen += batch_size_of(batch) * runtime.dp_size
-        st.loader_state = batches.snapshot
-
-    source = data_lib.Prefetcher(iter(loader), runtime.copier, host.prefetch, snapshot=loader.state_dict)
-    limit = _batch_limit(host, len(loader), budget)
-    batches = data_lib.BatchIterator(source, on_fetch, limit=limit - st.batches_in_epoch)
-    step = _train_step_caller(host, batches)
-    # A middle pipeline stage pulls no data, so every rank counts train_batch calls instead.
-    pipeline_calls = budget.steps_per_epoch if runtime.strategy.uses_pipeline else None
-    pending: list[Any] = []  # losses of the optimizer step in progress (dropped if fp16 skips it)
-    idle_calls = 0
-    try:
-        while not st.stop_training:
-            if _epoch_over(st, batches, pipeline_calls, budget.steps_per_epoch):
-                break
-            fetched, boundaries, skipped = batches.fetched, runtime.global_steps, runtime.skipped_steps
-            if speed is not None and not speed.measured and batches.peek() is not None:
-                speed.measure(batches.peek(), st.global_step)  # once, on the first batch
-            events.fire(Event.STEP_START, st)
-            try:
-                with speed.counting() if speed is not None else contextlib.nullcontext():
-                    loss = apply_train_result(host, _timed(step, batches, speed))
-            except StopIteration:
-                _cut_short(host, events, pending, boundaries, skipped, log_freq, speed)
-                break
-            st.step_calls += 1
-            if loss is not None:
-                pending.append(loss)
-            _after_step(host, pending, boundaries, skipped, log_freq, speed)
-            idle_calls = idle_calls + 1 if batches.fetched == fetched and pipeline_calls is None else 0
-            if idle_calls >= MAX_IDLE_CALLS:
-                raise RuntimeError(f"the training step pulled no batch in {MAX_IDLE_CALLS} consecutive calls")
-            events.fire(Event.STEP_END, st)
-    finally:
-        source.close()
-    return _epoch_logs(host, pending)
-
-
-def _cut_short(
-    host: Host, events: CallbackList, pending: list[Any], boundaries: int, skipped: int, log_freq: int,
-    speed: Speedometer | None,
-) -> None:  # fmt: skip
-    """A step the end of the data cut short (StopIteration): the optimizer steps it took count,
-    the gradients of backward passes no step closed are dropped (the next epoch starts clean)."""
-    host.runtime.discard_open_step()
-    _after_step(host, pending, boundaries, skipped, log_freq, speed)
-    if host.runtime.global_steps > boundaries:
-        events.fire(Event.STEP_END, host.state)
-
-
-def _epoch_logs(host: Host, pending: list[Any]) -> dict[str, Any]:
-    """The epoch's mean loss over all ranks, lr and training metrics; NaN/inf since the last
-    logging point stops training here."""
-    st = host.state
-    for loss in pending:  # an accumulation the epoch ended in the middle of
-        st.window_loss.add(loss, st.global_step)
-        st.epoch_loss.add(loss, st.global_step)
-    _reduced_window_loss(st, host.runtime.process)
-    mean = host.runtime.process.all_reduce_mean
-    logs: dict[str, Any] = {"loss": mean(st.epoch_loss.mean()), "lr": host.runtime.lr}
-    logs.update(host.metrics.train.compute())
-    return logs
-
-
-def _batch_limit(host: Host, loader_batches: int, budget: Budget) -> int:
-    """Micro-batches this epoch may hand out: the budget's for the framework's steps; for a
-    custom step, which may pull any number per optimizer step, whole accumulations of the
-    loader (the epoch's optimizer steps are capped by `_epoch_over`)."""
-    if host.train_step_fn is None or host.runtime.strategy.uses_pipeline:
-        return budget.batches_per_epoch
-    acc = host.runtime.strategy.accumulation_steps
-    return loader_batches // acc * acc
-
-
-def _epoch_over(
-    st: LoopState, batches: data_lib.BatchIterator, pipeline_calls: int | None, steps_per_epoch: int
-) -> bool:
-    """True when this epoch has no step left: max_steps reached, its optimizer steps taken, or
-    no batch left (a pipeline: its calls done, since a middle stage pulls no data)."""
-    if st.max_steps is not None and st.global_step >= st.max_steps:
-        st.stop_training, st.stop_reason = True, f"reached trainer.max_steps={st.max_steps}"
-        return True
-    if st.steps_in_epoch >= steps_per_epoch:
-        return True
-    if pipeline_calls is not None:
-        return st.step_calls >= pipeline_calls
-    return batches.exhausted()
-
-
-def _timed(step: Callable[[], Any], batches: data_lib.BatchIterator, speed: Speedometer | None) -> Any:
-    """Call the step; with a speedometer, note its forward pass and its wait for data."""
-    if speed is None:
-        return step()
-    waited, started = batches.waited, speed.timer.now()
-    result = step()
-    speed.timer.add("forward", started, speed.timer.now())
-    speed.timer.add_host("data", batches.waited - waited)
-    return result
-
-
-def _after_step(
-    host: Host,
-    pending: list[Any],
-    boundaries: int,
-    skipped: int,
-    log_freq: int,
-    speed: Speedometer | None = None,
-) -> None:
-    """Count what a step call did: at an optimizer-step boundary its losses join the meters (or
-    are dropped with the step, when the fp16 loss scaler skipped it); logs at logging points."""
-    st, runtime = host.state, host.runtime
-    watchdog.beat()
-    applied_before = st.global_step
-    if runtime.global_steps > boundaries:
-        st.skipped_steps = runtime.skipped_steps
-        st.global_step = runtime.global_steps - runtime.skipped_steps
-        st.steps_in_epoch += st.global_step - applied_before
-        if runtime.skipped_steps == skipped:
-            for loss in pending:
-                st.window_loss.add(loss, st.global_step)
-                st.epoch_loss.add(loss, st.global_step)
-        pending.clear()
-    st.log_now = st.global_step > applied_before and st.global_step % max(1, log_freq) == 0
-    st.logs = {"batches": st.batches_in_epoch, "lr": runtime.lr}
-    if st.log_now:
-        st.logs["loss"] = _reduced_window_loss(st, runtime.process)
-        if st.skipped_steps:
-            st.logs["skipped_steps"] = st.skipped_steps
-        if speed is not None:
-            st.logs.update(speed.logs(st.global_step))
-
-
-def _reduced_window_loss(st: LoopState, process: ProcessContext) -> float:
-    """The mean loss since the last logging point over all ranks (one device read); NaN/inf
-    there raises NonFiniteLoss on every rank, naming the first step it appeared at."""
-    bad = st.first_bad_loss()
-    value = process.all_reduce_mean(st.window_loss.mean())
-    st.window_loss.reset()
-    if bad is not None or not math.isfinite(value):
-        step = process.all_reduce_min(bad[0] if bad else st.global_step)
-        raise st.non_finite_error(step, bad[1] if bad else value)
-    return value
-
-
-def _train_step_caller(host: Host, batches: data_lib.BatchIterator) -> Callable[[], Any]:
-    """A zero-argument call of the host's step flavour on `batches`."""
-    if host.runtime.strategy.uses_pipeline:
-        return lambda: {"loss": host.runtime.train_batch(batches)}
-    if host.train_step_fn is not None:
-        call = bind_step(host.train_step_fn)
-        return lambda: call(host, batches)
-    rt = host.runtime
-    acc, stage = rt.strategy.accumulation_steps, rt.strategy.sharding.stage
-    device = rt.process.collective_device
-    weights: list[Any] = []
-
-    def default_step() -> Any:
-        if not weights:  # an optimizer step begins: count the items of its global batch
-            group = batches.peek_many(acc)
-            found = step_weights(group, host.loss, host.module, host.label_key, rt.mesh, stage, device)
-            weights.extend(found or [None] * len(group))
-        batch = next(batches)
-        return default_train_step(host, batch, weights.pop(0))
-
-    return default_step

@@ -11,6 +11,8 @@
   with a tokenizer is checked against the model's vocabulary and classification labels become
   the model's `id2label` / `label2id` (`adopt`); the tokenizer's files are kept beside the
   checkpoints, where `export --hf` finds them (`keep_tokenizer`).
+* Checkpoints: `save_model_config` keeps a model's config beside its weights (`HF_CONFIG`), so
+  `python -m framework.export --hf` writes a `save_pretrained` directory.
 * Attention: `register_attention` adds a function to transformers' attention registry (sequence
   parallelism's Ulysses attention).
 """
@@ -25,6 +27,26 @@ from pathlib import Path
 from typing import Any
 
 from framework.errors import ConfigError
+
+HF_CONFIG = "hf_config"  # a Hugging Face model's config.json, for `framework.export --hf`
+HF_PREFIX = "weights_prefix"  # in HF_CONFIG: where the HF model sits in a wrapper's state dict ("lm.")
+
+
+def save_model_config(module: Any, path: Path) -> None:
+    """A Hugging Face model's config (and generation config) next to its weights, so an export
+    can write a `save_pretrained` directory; for a wrapper, also where the model's weights are."""
+    found = hf_model_in(module)
+    if found is None:
+        return
+    prefix, model = found
+    model.config.architectures = [type(model).__name__]  # what save_pretrained records, for from_pretrained
+    model.config.save_pretrained(str(path / HF_CONFIG))
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and hasattr(generation, "save_pretrained"):
+        generation.save_pretrained(str(path / HF_CONFIG))
+    if prefix:
+        (path / HF_CONFIG / HF_PREFIX).write_text(prefix)
+
 
 TOKENIZER_DIR = "tokenizer"  # in a checkpoints dir: the files of the tokenizer the run trained with
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")

@@ -81,7 +81,11 @@ class ConsoleLogger(Callback):
         self.console.print(
             f"[bold]{info.model_name}[/bold] ({info.parameters:,} parameters) | {info.strategy} | "
             f"{info.world_size} process(es) on {info.device_type} | global batch {state.global_batch_size} | "
-            f"{state.epochs} epoch(s) of {state.batches_per_epoch} batches per rank"
+            + (
+                f"{state.epochs} epoch(s) of {state.batches_per_epoch} batches per rank"
+                if state.batches_per_epoch
+                else f"a stream, up to {state.max_steps} optimizer steps"
+            )
         )
 
     def on_epoch_start(self, state: LoopState) -> None:

@@ -16,6 +16,7 @@ prediction need only the mesh, so calling them first never freezes a training nu
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -161,8 +162,8 @@ class Budget:
     """How long training runs, in this rank's micro-batches and in optimizer steps."""
 
     epochs: int
-    batches_per_epoch: int  # micro-batches a rank takes per epoch: whole optimizer steps only
-    steps_per_epoch: int  # optimizer steps per epoch
+    batches_per_epoch: int | None  # micro-batches a rank takes per epoch: whole optimizer steps only
+    steps_per_epoch: int | None  # optimizer steps per epoch (None: a stream's, until it ends)
     total_steps: int  # optimizer steps of the whole run (what a schedule decays over)
     max_steps: int | None = None
 
@@ -194,6 +195,21 @@ def step_budget(
     if max_steps:
         total = min(total, max_steps)
     return Budget(epochs, steps * acc, steps, total, max_steps)
+
+
+def stream_budget(
+    layout: BatchLayout, epochs: int, steps_per_epoch: int | None = None, max_steps: int | None = None
+) -> Budget:
+    """The budget over a stream, whose length is unknown: `max_steps` optimizer steps in all
+    (the schedule's length), `steps_per_epoch` per pass (None: until the stream ends)."""
+    if max_steps is None and steps_per_epoch is None:
+        raise ConfigError(
+            "the training data is a stream (it has no length): bound the run with max_steps "
+            "(trainer.max_steps=N on the command line), or give steps_per_epoch"
+        )
+    total = min(max_steps or math.inf, epochs * (steps_per_epoch or math.inf))
+    per = steps_per_epoch * layout.accumulation_steps if steps_per_epoch is not None else None
+    return Budget(epochs, per, steps_per_epoch, int(total), max_steps)
 
 
 @dataclass(frozen=True)

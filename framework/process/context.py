@@ -263,6 +263,15 @@ class ProcessContext:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
+    def all_ranks(self, flag: bool) -> bool:
+        """True on every rank when `flag` is True on every rank; through the gloo group on the
+        CPU, so it never waits for a device (a stream's ranks agree on where a pass ends)."""
+        if not self._grouped():
+            return flag
+        t = torch.tensor([0 if flag else 1], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._slow())
+        return int(t.item()) == 0
+
     # -------------------------------------------------------------- teardown
     def _in_its_group(self) -> bool:
         return dist.is_initialized() and dist.group.WORLD is self._world

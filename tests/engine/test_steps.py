@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from framework import Callback, ConfigError, Engine, Strategy
-from framework.engine import loops
+from framework.engine import epoch
 from framework.models import MLP
 
 from ..conftest import FAST, ROOT, fails_cleanly, final_metrics, run_cmd, run_train
@@ -127,7 +127,7 @@ def test_calls_that_pull_no_batch_are_fine_and_cannot_loop_forever(monkeypatch):
     engine.fit(dataset(5), epochs=1, batch_size=8)
     assert engine.state.batches_fetched == 5 and engine.state.global_step == 5
 
-    monkeypatch.setattr(loops, "MAX_IDLE_CALLS", 50)
+    monkeypatch.setattr(epoch, "MAX_IDLE_CALLS", 50)
     with pytest.raises(RuntimeError, match="pulled no batch in 50 consecutive calls"):
         engine_with(lambda engine, dataloader_iter: None).fit(dataset(5), epochs=1, batch_size=8)
 

@@ -185,8 +185,8 @@ def test_zero3_on_the_cpu_starts_no_subprocess_per_step(monkeypatch):
     )  # fmt: skip
     engine.fit(DATA.train, epochs=1, batch_size=32, max_steps=3, log_freq=1000)
     assert started == [] and os.environ["LOCAL_SIZE"] == "1"
-    end_group()
-    assert "LOCAL_SIZE" not in os.environ  # the framework's own setting goes with the group
+    engine.close()
+    assert "LOCAL_SIZE" not in os.environ  # the framework's own setting goes with its context
 
 
 _SLOW_WEIGHTS_SAVE = """
@@ -226,7 +226,7 @@ def test_skipped_fp16_steps_are_counted_and_never_advance_the_step(monkeypatch):
     """The loop's accounting of DeepSpeed's overflow skips (fp16 cannot run on this CPU): the
     losses of a skipped step are dropped, with or without accumulation, global_step counts
     applied steps only (what max_steps, checkpoint tags and the LR schedule follow)."""
-    from framework.engine import loops
+    from framework.engine import epoch as loops
     from framework.observe.state import LoopState
 
     runtime = types.SimpleNamespace(global_steps=0, skipped_steps=0, lr=0.1)

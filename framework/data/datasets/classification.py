@@ -5,17 +5,18 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import TensorDataset
 
 from framework.errors import ConfigError
 
 
 class Splits(NamedTuple):
     """A training set and a validation set: what a `data.dataset` target returns (two map-style
-    datasets; a `datasets.DatasetDict` with `train` and `validation` splits is taken too)."""
+    datasets or streams, `framework.data.streams`; a `datasets.DatasetDict` with `train` and
+    `validation` splits is taken too)."""
 
-    train: Dataset
-    valid: Dataset
+    train: Any  # a map-style Dataset, or iterable data
+    valid: Any
 
 
 _VALID_NAMES = ("validation", "valid", "test")

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from framework.data.datasets.classification import Splits
+from framework.data.packing import packed
+from framework.data.streams import DEFAULT_SHARDS, Stream
 from framework.errors import ConfigError
 from framework.integrations import hf
 
@@ -23,10 +25,12 @@ BYTE_VOCAB_SIZE = 256
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as token ids (0..255): a tokenizer that needs no file and no download."""
+    """UTF-8 bytes as token ids (0..255): a tokenizer that needs no file and no download (byte 0,
+    which text does not hold, ends a document and pads)."""
 
     vocab_size = BYTE_VOCAB_SIZE
     pad_token_id = 0
+    eos_token_id = 0
 
     def __call__(
         self, texts: list[str], truncation: bool = False, max_length: int | None = None
@@ -123,3 +127,57 @@ def hf_text(
     return with_tokenizer(
         Splits(parts["train"].with_format("torch"), parts["test"].with_format("torch")), tok
     )
+
+
+def hf_stream(
+    data_files: Any,
+    builder: str = "text",
+    text_column: str = "text",
+    tokenizer: str | None = None,
+    block_size: int = 128,
+    keep_documents_apart: bool = False,
+    validation_files: Any = None,
+    val_every: int = 20,
+    shards: int = DEFAULT_SHARDS,
+    seed: int = 0,
+) -> TokenizedSplits:
+    """Local text / JSON / Parquet files (`builder`) streamed through Hugging Face `datasets`
+    (never loaded whole), tokenized as they are read and packed into blocks of `block_size`
+    tokens (`framework.data.packing`; `keep_documents_apart` for blocks whose documents do not
+    attend to each other). Validation: `validation_files`, else every `val_every`-th document.
+    Train with `trainer.max_steps` (a stream has no length)."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    tok = load_tokenizer(tokenizer)
+    eos = getattr(tok, "eos_token_id", None)
+    eos = eos if eos is not None else getattr(tok, "pad_token_id", None) or 0
+    pad = getattr(tok, "pad_token_id", None) or 0
+
+    def read(files: Any) -> Any:
+        paths = [files] if isinstance(files, str) else list(files)
+        missing = [f for f in paths if not Path(f).expanduser().is_file()]
+        if missing:
+            raise FileNotFoundError(f"data.dataset.data_files: no such file: {', '.join(map(str, missing))}")
+        local = [str(Path(f).expanduser()) for f in paths]
+        return datasets.load_dataset(builder, data_files=local, split="train", streaming=True)
+
+    def tokenize(example: dict[str, Any]) -> list[int]:
+        if text_column not in example:
+            raise ConfigError(
+                f"data.dataset.text_column={text_column}: the files' rows have {sorted(example)}; name one of them"
+            )
+        return list(tok([str(example[text_column])])["input_ids"][0])
+
+    def stream(data: Any) -> Stream:
+        transform = packed(tokenize, block_size, eos, keep_documents_apart, pad)
+        return Stream(data, transform, shards=shards, seed=seed, info={"tokenizer": tok})
+
+    raw = read(data_files)
+    if validation_files is not None:
+        train, valid = raw, read(validation_files)
+    else:
+        keep = int(val_every)
+        train = raw.filter(lambda _, i: i % keep != 0, with_indices=True)
+        valid = read(data_files).filter(lambda _, i: i % keep == 0, with_indices=True)
+    return with_tokenizer(Splits(stream(train), stream(valid)), tok)

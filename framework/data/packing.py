@@ -1,0 +1,138 @@
+"""Documents tokenized on the fly and packed into blocks of `block_size` tokens: the transform of a
+stream's shard (`framework.data.streams`), so blocks are made as the data is read.
+
+* **Contiguous** (the default): each document's tokens and an EOS, one after another, cut into
+  blocks; a document may run on into the next block (GPT-style pretraining).
+* **Documents kept apart** (`keep_apart=True`): a block holds whole documents (one longer than a
+  block is cut into pieces of at most `block_size`, each its own document); the position ids
+  restart at every document and the label of each document's first token is -100, so a model
+  that reads packed sequences from position ids (Hugging Face models with sdpa or flash
+  attention, run without a key/value cache) attends within documents only and the per-token
+  loss equals the documents run one per row. The rest of a block is padding (label -100).
+
+Blocks are `{"input_ids", "labels"}` (+ `"position_ids"` when kept apart), Hugging Face's
+convention: the model shifts the labels itself (`loss=model`). The last, partial block of a pass
+is padded, not dropped: padding carries label -100, which no loss or item count sees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+IGNORE = -100
+
+
+class Packer:
+    """One shard's packing (a `framework.data.streams.ShardTransform`)."""
+
+    def __init__(
+        self,
+        shards: int,
+        tokenize: Callable[[Any], list[int]],
+        block_size: int,
+        eos_id: int,
+        keep_apart: bool = False,
+        pad_id: int = 0,
+    ):
+        self.shards, self.tokenize, self.block_size = shards, tokenize, int(block_size)
+        self.eos_id, self.keep_apart, self.pad_id = eos_id, keep_apart, pad_id
+        # Tokens not yet in a block: (shuffled position, offset of the first, tokens), in order.
+        self._pending: list[tuple[int, int, list[int]]] = []
+        self._count = 0  # tokens pending
+
+    def feed(self, position: int, example: Any, offset: int = 0) -> list[tuple[Any, tuple[int, int]]]:
+        """Blocks that the document at `position` completes (its first `offset` tokens were packed
+        before), each with where the block after it starts."""
+        ids = [*self.tokenize(example), self.eos_id]
+        if self.keep_apart:
+            return self._feed_apart(position, ids, offset)
+        self._pending.append((position, offset, ids[offset:]))
+        self._count += len(ids) - offset
+        out = []
+        while self._count >= self.block_size:
+            out.append(self._cut())
+        return out
+
+    def flush(self) -> list[tuple[Any, tuple[int, int]]]:
+        """The last, partial block of the pass, padded (nothing when no token is pending)."""
+        if not self._count:
+            return []
+        last = self._pending[-1][0]
+        pieces = [(0 if i else 0, tokens) for i, (_, _, tokens) in enumerate(self._pending)]
+        self._pending, self._count = [], 0
+        return [(self._block(pieces), (last + self.shards, 0))]
+
+    # ------------------------------------------------------------------ contiguous
+    def _cut(self) -> tuple[Any, tuple[int, int]]:
+        """One block of the pending tokens; the rest stays pending."""
+        tokens: list[int] = []
+        while len(tokens) < self.block_size:
+            position, offset, ids = self._pending[0]
+            take = ids[: self.block_size - len(tokens)]
+            tokens += take
+            if len(take) == len(ids):
+                self._pending.pop(0)
+            else:
+                self._pending[0] = (position, offset + len(take), ids[len(take) :])
+        self._count -= len(tokens)
+        if self._pending:
+            nxt = (self._pending[0][0], self._pending[0][1])
+        else:
+            nxt = (position + self.shards, 0)
+        block = torch.tensor(tokens, dtype=torch.long)
+        return {"input_ids": block, "labels": block.clone()}, nxt
+
+    # ------------------------------------------------------------------ documents kept apart
+    def _feed_apart(self, position: int, ids: list[int], offset: int) -> list[tuple[Any, tuple[int, int]]]:
+        out = []
+        ids = ids[offset:]
+        while ids:
+            piece, ids = ids[: self.block_size], ids[self.block_size :]
+            if self._count + len(piece) > self.block_size:  # it starts the next block
+                pieces = [(0, tokens) for _, _, tokens in self._pending]
+                self._pending, self._count = [], 0
+                out.append((self._block(pieces), (position, offset)))
+            self._pending.append((position, offset, piece))
+            self._count += len(piece)
+            offset += len(piece)
+            if self._count == self.block_size:
+                pieces = [(0, tokens) for _, _, tokens in self._pending]
+                self._pending, self._count = [], 0
+                out.append((self._block(pieces), (position, offset) if ids else (position + self.shards, 0)))
+        return out
+
+    def _block(self, pieces: list[tuple[int, list[int]]]) -> dict[str, torch.Tensor]:
+        """A block of documents (padded to `block_size`): input ids, labels (-100 on padding and,
+        kept apart, on each document's first token) and position ids restarting per document."""
+        ids, labels, positions = [], [], []
+        for _, tokens in pieces:
+            ids += tokens
+            labels += ([IGNORE] + tokens[1:]) if self.keep_apart else tokens
+            positions += list(range(len(tokens)))
+        pad = self.block_size - len(ids)
+        ids += [self.pad_id] * pad
+        labels += [IGNORE] * pad
+        positions += [0] * pad
+        block = {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels)}
+        if self.keep_apart:
+            block["position_ids"] = torch.tensor(positions)
+        return block
+
+
+def packed(
+    tokenize: Callable[[Any], list[int]],
+    block_size: int,
+    eos_id: int,
+    keep_apart: bool = False,
+    pad_id: int = 0,
+) -> Callable[[int], Packer]:
+    """A `Stream(transform=...)`: each shard's documents tokenized by `tokenize(example) -> ids`
+    and packed into blocks (see the module doc)."""
+
+    def make(shards: int) -> Packer:
+        return Packer(shards, tokenize, block_size, eos_id, keep_apart, pad_id)
+
+    return make

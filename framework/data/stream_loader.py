@@ -1,0 +1,155 @@
+"""This rank's micro-batches of a `Stream` (`framework.data.streams`), read by torch loader workers.
+
+Each worker is one reader of the stream (its shards), the loader takes the workers' items in
+turn (torch's in-order round robin), which is this rank's global slots in order, and batches
+them. Its `state_dict()` is where every shard of this rank stands after the last micro-batch it
+handed out (plus the global slots consumed): the same on any layout, so a checkpoint resumes on
+another one too (its ranks' shard positions merged).
+
+A rank's stream ends at its first empty slot; the ranks agree on where a pass ends (the loop
+before each optimizer step, evaluation before each batch: `framework.data.loaders.DeviceLoader`),
+so no rank waits in a collective another rank never reaches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from framework.data.streams import Reader, Resume, Stream
+from framework.errors import CheckpointError, ConfigError
+
+
+def collate_items(items: list[Any]) -> Any:
+    """Items of equal shape into one batch: tensors stacked, numbers and lists of numbers made
+    tensors, dicts and tuples field by field (a field of unequal lengths needs a `collate_fn`)."""
+    first = items[0]
+    if isinstance(first, torch.Tensor):
+        return torch.stack(items)
+    if isinstance(first, dict):
+        return {key: collate_items([item[key] for item in items]) for key in first}
+    if isinstance(first, (tuple, list)) and first and not isinstance(first[0], (int, float, bool)):
+        return type(first)(collate_items(list(column)) for column in zip(*items))
+    if isinstance(first, (int, float, bool)) or isinstance(first, (list, tuple)):
+        try:
+            return torch.tensor(items)
+        except (ValueError, TypeError):
+            raise ConfigError(
+                "a stream's samples have fields of unequal lengths; give a collate_fn that pads them "
+                "(data.collate_fn, or Stream(collate_fn=...)), or pack them (framework.data.packing)"
+            ) from None
+    return items
+
+
+def _as_is(item: Any) -> Any:
+    return item
+
+
+class _Readers(torch.utils.data.IterableDataset):
+    """One rank's readers as a torch dataset: in loader worker j (of W) it is reader
+    rank + D * ((j + first) mod W), so the loader's round robin over workers is the rank's slot order."""
+
+    def __init__(self, stream: Stream, dp_size: int, dp_rank: int, epoch: int, resume: dict, first: int):
+        self.stream, self.dp_size, self.dp_rank = stream, dp_size, dp_rank
+        self.epoch, self.resume, self.first = epoch, resume, first
+
+    def __iter__(self) -> Iterator[tuple[Any, int, Resume]]:
+        info = torch.utils.data.get_worker_info()
+        workers, index = (info.num_workers, info.id) if info is not None else (1, 0)
+        reader = self.dp_rank + self.dp_size * ((index + self.first) % workers)
+        yield from Reader(self.stream, reader, self.dp_size * workers, self.epoch, self.resume)
+
+
+class StreamLoader:
+    """This rank's micro-batches of `stream` (see the module doc); `drop_last=False` hands out a
+    last, smaller batch too (evaluation), whose size is `last_size`."""
+
+    def __init__(
+        self,
+        stream: Stream,
+        micro_batch_size: int,
+        dp_size: int,
+        dp_rank: int,
+        num_workers: int = 0,
+        drop_last: bool = True,
+        collate_fn: Callable | None = None,
+    ):
+        stream.readers(dp_size, num_workers)  # the layout divides the shards, or one line
+        self.stream, self.batch_size = stream, int(micro_batch_size)
+        self.dp_size, self.dp_rank, self.num_workers = dp_size, dp_rank, int(num_workers)
+        self.drop_last = drop_last
+        self.collate = collate_fn or stream.collate_fn or collate_items
+        self.epoch = 0
+        self._consumed = (
+            0  # global slots before this rank's next one (a multiple of the global batch at a step)
+        )
+        self._resume: dict[int, Resume] = {}
+        self._state = self._snapshot(self._consumed, self._resume)
+        self.last_size = 0  # items in the last batch handed out
+
+    # ------------------------------------------------------------------ position
+    def set_epoch(self, epoch: int) -> None:
+        """Pass `epoch` (its own shuffle) from its beginning, unless a loaded state is for it."""
+        if epoch != self.epoch:
+            self.epoch, self._consumed, self._resume = epoch, 0, {}
+            self._state = self._snapshot(0, {})
+
+    def _snapshot(self, consumed: int, resume: dict[int, Resume]) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "consumed": consumed,
+            "shards": {c: r.as_dict() for c, r in resume.items()},
+            "stream": self.stream.spec(),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this rank stands after the last micro-batch handed out (see the module doc)."""
+        return self._state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue where `state` says (a state of this rank, or every rank's shards merged)."""
+        if state.get("stream") != self.stream.spec():
+            raise CheckpointError(
+                f"the checkpoint's stream was read with {state.get('stream')} and this one is {self.stream.spec()}: "
+                "its sample order would differ; resume with the same shards, shuffle window and seed"
+            )
+        self.epoch, self._consumed = int(state["epoch"]), int(state["consumed"])
+        self._resume = {int(c): Resume(**r) for c, r in state["shards"].items()}
+        self._state = self._snapshot(self._consumed, dict(self._resume))
+
+    def __len__(self) -> int:
+        raise TypeError("a stream has no length: bound training with max_steps (trainer.max_steps)")
+
+    # ------------------------------------------------------------------ reading
+    def _items(self) -> Iterator[tuple[Any, int, Resume]]:
+        """This rank's items in slot order (item, slot, its shard's Resume), ending at its first
+        empty slot."""
+        first = (self._consumed // self.dp_size) % max(1, self.num_workers)
+        readers = _Readers(self.stream, self.dp_size, self.dp_rank, self.epoch, dict(self._resume), first)
+        loader = torch.utils.data.DataLoader(
+            readers, batch_size=None, num_workers=self.num_workers, collate_fn=_as_is
+        )
+        expected = self._consumed + self.dp_rank
+        for item, slot, resume in loader:
+            if slot != expected:  # a worker's shards ended: this rank's stream ends at `expected`
+                return
+            expected += self.dp_size
+            yield item, slot, resume
+
+    def __iter__(self) -> Iterator[Any]:
+        items, resume, shards = self._items(), dict(self._resume), int(self.stream.shards)
+        while True:
+            taken, consumed = [], self._consumed
+            for item, slot, position in items:
+                taken.append(item)
+                resume[slot % shards] = position
+                consumed = slot - self.dp_rank + self.dp_size
+                if len(taken) == self.batch_size:
+                    break
+            if not taken or (len(taken) < self.batch_size and self.drop_last):
+                return
+            self._consumed, self._resume, self.last_size = consumed, dict(resume), len(taken)
+            self._state = self._snapshot(consumed, self._resume)
+            yield self.collate(taken)

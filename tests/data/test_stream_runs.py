@@ -1,0 +1,98 @@
+"""Streams in real runs: two processes read a Hugging Face JSONL stream, each sample once, and
+train what one process trains; a checkpoint of two processes resumes on one; a run killed twice
+mid-stream (SIGKILL, shuffled, with and without loader workers) resumes to the uninterrupted
+run's weights and logs bit for bit."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from framework.data.datasets import digits
+from framework.data.streams import Reader
+from framework.export import fp32_state_dict
+
+from ..checkpoint.test_checkpoint import SLOW, kill_after, records, start
+from ..conftest import ROOT, end_group, final_metrics, run_cmd, run_train, torchrun
+from ..scripts import stream_layout
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def digits_jsonl(path):
+    """The shipped digits' training split as JSON lines {"id", "x", "y"}."""
+    train, _ = digits()
+    with open(path, "w") as f:
+        for i in range(len(train)):
+            x, y = train[i]
+            f.write(json.dumps({"id": i, "x": x.tolist(), "y": int(y)}) + "\n")
+    return path
+
+
+def close(a: dict, b: dict) -> None:
+    for key, value in a.items():
+        torch.testing.assert_close(torch.tensor(b[key]), torch.tensor(value), atol=1e-6, rtol=0)
+
+
+def test_two_ranks_read_a_json_stream_once_and_train_what_one_rank_trains(tmp_path):
+    corpus, steps = digits_jsonl(tmp_path / "digits.jsonl"), 40
+    script = str(ROOT / "tests" / "scripts" / "stream_layout.py")
+    run = run_cmd(
+        [*torchrun(2), script, str(corpus), str(tmp_path / "two"), str(steps), "20", "2"], timeout=400
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    ranks = [json.loads((tmp_path / "two" / f"rank{r}.json").read_text()) for r in range(2)]
+    order = [item["id"] for item, _, _ in Reader(stream_layout.stream(corpus), 0, 1, 0, {})]
+    seen = ranks[0]["seen"] + ranks[1]["seen"]
+    assert sorted(seen) == sorted(order[: steps * 32]) and len(set(seen)) == len(seen)  # each sample once
+
+    alone = stream_layout.train(corpus, tmp_path / "one", steps, 0, 0)
+    end_group()
+    assert alone["seen"] == order[: steps * 32]  # on one rank: the global order itself
+    close(alone["weights"], ranks[0]["weights"])  # what two ranks train
+
+    resumed = stream_layout.train(
+        corpus, tmp_path / "two", steps, 0, 0, resume=str(tmp_path / "two" / "checkpoints" / "step_00000020")
+    )
+    assert resumed["seen"] == order[20 * 32 : steps * 32]  # the two ranks' checkpoint, on one process
+    close(alone["weights"], resumed["weights"])
+
+
+STREAM_RUN = ["model=hf_llama", "data=hf_stream", "data.dataset.builder=json", "loss=model", "metrics=none",
+              "trainer.max_steps=30", "trainer.batch_size=8", "trainer.log_freq=1", "trainer.checkpoint.save_freq=4",
+              "data.shuffle_window=40", "trainer.valid_steps=2"]  # fmt: skip
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_killed_twice_mid_stream_resumes_bit_for_bit(tmp_path, workers):
+    text = tmp_path / "text.jsonl"
+    rng = random.Random(0)
+    with open(text, "w") as f:
+        for _ in range(600):
+            f.write(
+                json.dumps(
+                    {
+                        "text": " ".join(
+                            rng.choice(["red", "green", "blue", "cyan"]) for _ in range(rng.randint(2, 40))
+                        )
+                    }
+                )
+                + "\n"
+            )
+    args = [*STREAM_RUN, f"data.dataset.data_files={text}", f"data.num_workers={workers}"]
+    full = run_train(args, tmp_path / "full", timeout=400)
+    assert full.returncode == 0, full.stderr[-3000:]
+    assert final_metrics(tmp_path / "full")["step"] == 30
+    killed = tmp_path / "killed"
+    first = kill_after(start([*args, SLOW], killed), killed, 9)
+    second = kill_after(start([*args, SLOW, "trainer.resume=auto"], killed), killed, first + 9)
+    assert first < second < 30
+    resumed = run_train([*args, "trainer.resume=auto"], killed, timeout=400)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = fp32_state_dict(tmp_path / "full" / "checkpoints"), fp32_state_dict(killed / "checkpoints")
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs (killed at steps {first} and {second})"
+    assert records(killed) == records(tmp_path / "full")
