@@ -60,9 +60,7 @@ class Engine:
         metrics: torchmetrics metric(s), a list or a {name: metric} dict; evaluation uses a copy.
         strategy: a `Strategy`, a dict of its sections, or None for plain data parallel.
         scheduler: a factory `scheduler(optimizer[, total_steps=N])` stepped once per optimizer step.
-        train_step: a custom training step (see `framework.engine.steps`).
-        eval_step: a custom validation step, the same way.
-        predict_step: a custom prediction step, the same way.
+        train_step: a custom training step; `eval_step`, `predict_step` likewise (see `framework.engine.steps`).
         callbacks: `Callback`s (loggers are callbacks too).
         seed: seed of the data shuffling.
         prefetch: batches kept ready on the device ahead of the step.
