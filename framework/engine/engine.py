@@ -60,7 +60,7 @@ class Engine:
         metrics: torchmetrics metric(s), a list or a {name: metric} dict; evaluation uses a copy.
         strategy: a `Strategy`, a dict of its sections, or None for plain data parallel.
         scheduler: a factory `scheduler(optimizer[, total_steps=N])` stepped once per optimizer step.
-        train_step / eval_step / predict_step: custom steps (see `framework.engine.steps`).
+        train_step: a custom training step; `eval_step`, `predict_step` likewise (see `framework.engine.steps`).
         callbacks: `Callback`s (loggers are callbacks too).
         seed: seed of the data shuffling.
         prefetch: batches kept ready on the device ahead of the step.
@@ -227,7 +227,7 @@ class Engine:
         callbacks: Iterable[Callback] | None = None, **options: Any,
     ) -> dict[str, list[Any]]:  # fmt: skip
         """Train for `epochs` epochs (or until `max_steps` optimizer steps) and return the history:
-        per-epoch lists of loss, lr, each metric and, when validating, val_loss and val_<metric>
+        per-epoch lists of loss, lr, each metric and, when validating, val_loss and `val_<metric>`
         (with `valid_at_start`, also start_val_loss, ... measured before the first step).
 
         The options are keyword arguments named as `framework.engine.fit_config.FitConfig`'s fields, which
@@ -290,8 +290,8 @@ class Engine:
         """Run exactly one step of `mode` on one batch and return its logs.
 
         train: one optimizer step (the batch is split into the accumulation steps) ->
-        {"loss", <training metrics so far>, "fetches"}; eval: {"loss", <evaluation metrics so
-        far>, "fetches"}; predict: {"outputs", "fetches"}. `feed` is an alternative to `data`:
+        `{"loss", <training metrics so far>, "fetches"}`; eval: `{"loss", <evaluation metrics
+        so far>, "fetches"}`; predict: `{"outputs", "fetches"}`. `feed` is an alternative to `data`:
         {"inputs": ..., "labels": ...}. `fetch_list` names sub-modules whose outputs to return,
         plus "lr", "grad_norm" and "loss_scale". Metrics accumulate over an epoch of an engine's
         loader, or until `reset_metrics()`."""

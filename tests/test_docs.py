@@ -1,0 +1,175 @@
+"""The examples of README.md and docs/ run, so they cannot rot.
+
+Every ```python block of a page runs, top to bottom, in one namespace per page (as a doctest
+session does), in a fresh working directory. A block that needs what a CPU test run does not
+have is marked by an HTML comment on the line before it, and is only compiled:
+
+    <!-- no-run: needs a GPU -->            compiled, never run (the reason is shown nowhere else)
+    <!-- requires: transformers, datasets -->   runs when those modules import, else the page
+                                                is skipped after its other blocks ran, saying why
+
+A failing block fails the page's test with the file and line of the statement that raised.
+Besides, every relative link of the README points at a file that exists, and yaml blocks parse.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from .conftest import ROOT
+
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`]*)$")
+MARK = re.compile(r"^\s*<!--\s*(?P<kind>no-run|requires):\s*(?P<what>.*?)\s*-->\s*$")
+
+
+@dataclass
+class Block:
+    """One fenced code block of a page."""
+
+    path: Path
+    line: int  # 1-based line of the block's first code line
+    language: str
+    source: str
+    no_run: str = ""  # the reason it is only compiled
+    requires: tuple[str, ...] = ()  # modules it needs
+
+    @property
+    def where(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line}"
+
+
+def blocks_of(path: Path) -> list[Block]:
+    """The fenced blocks of a Markdown file, with the mark on the line before each, if any.
+    Blocks inside lists or admonitions (indented fences) are dedented by their fence's indent."""
+    lines = path.read_text().splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        opening = FENCE.match(lines[i])
+        if not opening:
+            i += 1
+            continue
+        indent, fence = opening["indent"], opening["fence"]
+        language = (opening["info"].split() or [""])[0].strip("{.").lower()
+        body, j = [], i + 1
+        while j < len(lines):
+            closing = FENCE.match(lines[j])
+            if closing and closing["fence"][0] == fence[0] and len(closing["fence"]) >= len(fence):
+                if not closing["info"].strip():
+                    break
+            body.append(lines[j][len(indent) :] if lines[j].startswith(indent) else lines[j].lstrip())
+            j += 1
+        previous = next((lines[k] for k in range(i - 1, -1, -1) if lines[k].strip()), "")
+        mark = MARK.match(previous)
+        block = Block(path, i + 2, language, "\n".join(body) + "\n")
+        if mark and mark["kind"] == "no-run":
+            block.no_run = mark["what"] or "marked no-run"
+        elif mark:
+            block.requires = tuple(re.split(r"[,\s]+", mark["what"].strip()))
+        blocks.append(block)
+        i = j + 1
+    return blocks
+
+
+def python_blocks(path: Path) -> list[Block]:
+    return [b for b in blocks_of(path) if b.language in ("python", "py", "python3")]
+
+
+def compiled(block: Block):
+    """The block compiled so that tracebacks name the page and its line numbers."""
+    padded = "\n" * (block.line - 1) + block.source
+    return compile(padded, str(block.path), "exec")
+
+
+def run_block(block: Block, namespace: dict) -> str:
+    """Run one block in the page's namespace; what went wrong, with the page's line, or ""."""
+    try:
+        exec(compiled(block), namespace)
+    except Exception as exc:
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == str(block.path)]
+        line = frames[-1].lineno if frames else block.line
+        trace = "".join(traceback.format_exception(exc)[-12:])
+        return (
+            f"{block.path.relative_to(ROOT)}:{line}: the example starting at line {block.line} raised "
+            f"{type(exc).__name__}: {exc}\n\n{trace}"
+        )
+    return ""
+
+
+def close_engines(namespace: dict) -> None:
+    """End what the page's engines made (their process groups), as a script's exit would."""
+    from framework import DistModel, Engine
+
+    for value in list(namespace.values()):
+        engine = value.engine if isinstance(value, DistModel) else value
+        if isinstance(engine, Engine):
+            engine.close()
+
+
+def _page_id(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+PYTHON_PAGES = [p for p in PAGES if python_blocks(p)]
+
+
+def test_the_docs_have_runnable_examples():
+    runnable = [b for p in PYTHON_PAGES for b in python_blocks(p) if not b.no_run]
+    assert len(runnable) >= 10, [b.where for b in runnable]
+
+
+@pytest.mark.parametrize("path", PYTHON_PAGES, ids=_page_id)
+def test_page_examples_run(path: Path, tmp_path, monkeypatch):
+    blocks = python_blocks(path)
+    for block in blocks:  # every block, run or not, is at least valid Python
+        try:
+            compiled(block)
+        except SyntaxError as exc:
+            pytest.fail(f"{block.path.relative_to(ROOT)}:{exc.lineno}: {exc.msg}", pytrace=False)
+    monkeypatch.chdir(tmp_path)  # what a block writes stays out of the repository
+    namespace: dict = {"__name__": "__docs__"}
+    missing = []
+    try:
+        for block in blocks:
+            if block.no_run:
+                continue
+            if any(importlib.util.find_spec(module) is None for module in block.requires):
+                missing.append(block.where)
+                continue
+            failure = run_block(block, namespace)
+            if failure:
+                pytest.fail(failure, pytrace=False)
+    finally:
+        close_engines(namespace)
+    if missing:
+        needs = sorted({module for b in blocks for module in b.requires})
+        pytest.skip(
+            f"{', '.join(missing)} need {', '.join(needs)} (pip install -e '.[hf]'); the page's other "
+            "examples ran"
+        )
+
+
+@pytest.mark.parametrize("path", PAGES, ids=_page_id)
+def test_yaml_examples_parse(path: Path):
+    for block in blocks_of(path):
+        if block.language in ("yaml", "yml"):
+            try:
+                yaml.safe_load(block.source)
+            except yaml.YAMLError as exc:
+                pytest.fail(f"{block.where}: not YAML: {exc}", pytrace=False)
+
+
+def test_readme_links_point_at_files():
+    text = (ROOT / "README.md").read_text()
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    local = [t for t in targets if "://" not in t and not t.startswith("mailto:")]
+    assert local, "the README links into docs/"
+    missing = [t for t in local if not (ROOT / t).exists()]
+    assert not missing, f"README.md links to files that do not exist: {missing}"
