@@ -173,7 +173,11 @@ def _chunks(data: Any, size: int, start: Any, epoch: int) -> Iterator[tuple[Any,
     torchdata `Stateful`) resume there; any other is re-read and skipped (its position is the
     number of examples before the chunk)."""
     if type(data).__module__.startswith("datasets.") and hasattr(data, "iter"):
-        plain = pickle.loads(pickle.dumps(data.with_format(None)))  # its own iteration state
+        plain = data.with_format(None)
+        try:  # its own iteration state (a function in it that does not pickle: this one, shared)
+            plain = pickle.loads(pickle.dumps(plain))
+        except (pickle.PicklingError, AttributeError, TypeError):
+            pass
         plain.set_epoch(epoch)
         if start is not None:
             plain.load_state_dict(start)

@@ -177,7 +177,16 @@ def hf_stream(
     if validation_files is not None:
         train, valid = raw, read(validation_files)
     else:
-        keep = int(val_every)
-        train = raw.filter(lambda _, i: i % keep != 0, with_indices=True)
-        valid = read(data_files).filter(lambda _, i: i % keep == 0, with_indices=True)
+        train = raw.filter(_EveryNth(int(val_every), held_out=False), with_indices=True)
+        valid = read(data_files).filter(_EveryNth(int(val_every), held_out=True), with_indices=True)
     return with_tokenizer(Splits(stream(train), stream(valid)), tok)
+
+
+class _EveryNth:
+    """The documents a stream keeps (picklable, as a stream's reader copies its source so)."""
+
+    def __init__(self, n: int, held_out: bool):
+        self.n, self.held_out = n, held_out
+
+    def __call__(self, example: Any, index: int) -> bool:
+        return (index % self.n == 0) == self.held_out
