@@ -144,7 +144,12 @@ def summary(out_dir: Path, command: str) -> str:
         )
     for row in _rows("streams", out_dir):
         r = row["stream_over_map"]
-        add("streams: GPT step time, streaming data / the same blocks map-style", f"{r:.3f}", "<= 1.05", r <= 1.05)
+        add(
+            "streams: GPT step time, streaming data / the same blocks map-style",
+            f"{r:.3f}",
+            "<= 1.05",
+            r <= 1.05,
+        )
         r = row["loader_over_consumption"]
         add("streams: loader tokens/s / tokens/s the step consumes", f"{r:.1f}", "> 1", r > 1)
     m = machine()

@@ -107,7 +107,15 @@ def final_metrics(run_dir: Path) -> dict:
 
 # What a launcher sets: a process context sets them for a launcher-less process (and removes them
 # when it closes); none of them may outlive a test, or later runs would think they were launched.
-LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+LAUNCHER_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 _AT_START = {key: os.environ.get(key) for key in LAUNCHER_VARIABLES}
 
 

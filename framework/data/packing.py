@@ -11,7 +11,8 @@ stream's shard (`framework.data.streams`), so blocks are made as the data is rea
   loss equals the documents run one per row. The rest of a block is padding (label -100).
 
 Blocks are `{"input_ids", "labels"}` (+ `"position_ids"` when kept apart), Hugging Face's
-convention: the model shifts the labels itself (`loss=model`). The last, partial block of a pass
+convention: the model shifts the labels itself (`loss=model`); NumPy arrays, which loader
+workers hand over cheaply (a stream's loader batches them into tensors). The last, partial block of a pass
 is padded, not dropped: padding carries label -100, which no loss or item count sees.
 """
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
+import numpy as np
 
 IGNORE = -100
 
@@ -82,8 +83,8 @@ class Packer:
             nxt = (self._pending[0][0], self._pending[0][1])
         else:
             nxt = (position + self.shards, 0)
-        block = torch.tensor(tokens, dtype=torch.long)
-        return {"input_ids": block, "labels": block.clone()}, nxt
+        block = np.asarray(tokens, dtype=np.int64)
+        return {"input_ids": block, "labels": block.copy()}, nxt
 
     # ------------------------------------------------------------------ documents kept apart
     def _feed_apart(self, position: int, ids: list[int], offset: int) -> list[tuple[Any, tuple[int, int]]]:
@@ -104,7 +105,7 @@ class Packer:
                 out.append((self._block(pieces), (position, offset) if ids else (position + self.shards, 0)))
         return out
 
-    def _block(self, pieces: list[tuple[int, list[int]]]) -> dict[str, torch.Tensor]:
+    def _block(self, pieces: list[tuple[int, list[int]]]) -> dict[str, np.ndarray]:
         """A block of documents (padded to `block_size`): input ids, labels (-100 on padding and,
         kept apart, on each document's first token) and position ids restarting per document."""
         ids, labels, positions = [], [], []
@@ -116,9 +117,9 @@ class Packer:
         ids += [self.pad_id] * pad
         labels += [IGNORE] * pad
         positions += [0] * pad
-        block = {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels)}
+        block = {"input_ids": np.asarray(ids, dtype=np.int64), "labels": np.asarray(labels, dtype=np.int64)}
         if self.keep_apart:
-            block["position_ids"] = torch.tensor(positions)
+            block["position_ids"] = np.asarray(positions, dtype=np.int64)
         return block
 
 

@@ -13,9 +13,11 @@ so no rank waits in a collective another rank never reaches.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from framework.data.streams import Reader, Resume, Stream
@@ -28,6 +30,8 @@ def collate_items(items: list[Any]) -> Any:
     first = items[0]
     if isinstance(first, torch.Tensor):
         return torch.stack(items)
+    if isinstance(first, np.ndarray):
+        return torch.from_numpy(np.stack(items))
     if isinstance(first, dict):
         return {key: collate_items([item[key] for item in items]) for key in first}
     if isinstance(first, (tuple, list)) and first and not isinstance(first[0], (int, float, bool)):
@@ -43,6 +47,23 @@ def collate_items(items: list[Any]) -> Any:
     return items
 
 
+GROUP = 32  # items a worker hands over at once
+
+
+def _start(loader: Any, workers: int) -> Iterator[Any]:
+    """The loader's iterator, its workers forked with this process's objects frozen: a forked
+    worker must not collect what it inherited (a torn-down process group's objects, DeepSpeed's,
+    crashed a worker's garbage collection), so it collects only its own."""
+    if not workers:
+        return iter(loader)
+    gc.collect()
+    gc.freeze()
+    try:
+        return iter(loader)
+    finally:
+        gc.unfreeze()
+
+
 def _as_is(item: Any) -> Any:
     return item
 
@@ -55,11 +76,20 @@ class _Readers(torch.utils.data.IterableDataset):
         self.stream, self.dp_size, self.dp_rank = stream, dp_size, dp_rank
         self.epoch, self.resume, self.first = epoch, resume, first
 
-    def __iter__(self) -> Iterator[tuple[Any, int, Resume]]:
+    def __iter__(self) -> Iterator[tuple[list[tuple[Any, int, Resume]], int, bool]]:
+        """Groups of this reader's items (one message per group from a worker), with the
+        reader's index among the rank's workers; the last group is marked."""
         info = torch.utils.data.get_worker_info()
         workers, index = (info.num_workers, info.id) if info is not None else (1, 0)
-        reader = self.dp_rank + self.dp_size * ((index + self.first) % workers)
-        yield from Reader(self.stream, reader, self.dp_size * workers, self.epoch, self.resume)
+        worker = (index + self.first) % workers
+        reader = self.dp_rank + self.dp_size * worker
+        group: list[tuple[Any, int, Resume]] = []
+        for item in Reader(self.stream, reader, self.dp_size * workers, self.epoch, self.resume):
+            group.append(item)
+            if len(group) == GROUP:
+                yield group, worker, False
+                group = []
+        yield group, worker, True
 
 
 class StreamLoader:
@@ -123,23 +153,40 @@ class StreamLoader:
         raise TypeError("a stream has no length: bound training with max_steps (trainer.max_steps)")
 
     # ------------------------------------------------------------------ reading
-    def _items(self) -> Iterator[tuple[Any, int, Resume]]:
-        """This rank's items in slot order (item, slot, its shard's Resume), ending at its first
-        empty slot."""
-        first = (self._consumed // self.dp_size) % max(1, self.num_workers)
+    def __iter__(self) -> Iterator[Any]:
+        """This pass's micro-batches from where the loader stands. The workers start here, in the
+        calling thread (the prefetch thread that reads the batches must not fork them)."""
+        workers = max(1, self.num_workers)
+        first = (self._consumed // self.dp_size) % workers
         readers = _Readers(self.stream, self.dp_size, self.dp_rank, self.epoch, dict(self._resume), first)
         loader = torch.utils.data.DataLoader(
             readers, batch_size=None, num_workers=self.num_workers, collate_fn=_as_is
         )
-        expected = self._consumed + self.dp_rank
-        for item, slot, resume in loader:
-            if slot != expected:  # a worker's shards ended: this rank's stream ends at `expected`
-                return
-            expected += self.dp_size
-            yield item, slot, resume
+        return self._batches(self._items(_start(loader, self.num_workers), workers))
 
-    def __iter__(self) -> Iterator[Any]:
-        items, resume, shards = self._items(), dict(self._resume), int(self.stream.shards)
+    def _items(self, groups: Iterator[Any], workers: int) -> Iterator[tuple[Any, int, Resume]]:
+        """This rank's items in slot order (item, slot, its shard's Resume), ending at its first
+        empty slot: the next slot is missing and the reader that owns it has ended."""
+        expected, ended = self._consumed + self.dp_rank, set()
+        waiting: dict[int, tuple[Any, Resume]] = {}  # items of later slots, from the other workers
+
+        def owner(slot: int) -> int:  # the reader of this rank's slot, as its index among the workers
+            return (slot - self.dp_rank) // self.dp_size % workers
+
+        for group, worker, done in groups:
+            for item, slot, resume in group:
+                waiting[slot] = (item, resume)
+            if done:
+                ended.add(worker)
+            while expected in waiting:
+                item, resume = waiting.pop(expected)
+                yield item, expected, resume
+                expected += self.dp_size
+            if owner(expected) in ended:
+                return
+
+    def _batches(self, items: Iterator[tuple[Any, int, Resume]]) -> Iterator[Any]:
+        resume, shards = dict(self._resume), int(self.stream.shards)
         while True:
             taken, consumed = [], self._consumed
             for item, slot, position in items:
