@@ -13,9 +13,11 @@ Steps get the `Engine` as their first argument; this module only relies on what 
 of it (`model`, `module`, `runtime`, `loss`, `metrics`, `label_key`, `output_key`,
 `backward_and_step`).
 
-Evaluation and prediction call a model that can return its key/value cache (a Hugging Face
-model's `use_cache`) with `use_cache=False` unless the batch sets it: outputs are kept, so a
-cache per batch would pile up on the device.
+The default steps call a model that can return its key/value cache (a Hugging Face model's
+`use_cache`) with `use_cache=False` unless the batch sets it: evaluation and prediction keep
+outputs, so a cache per batch would pile up on the device, and in training a cache serves nothing
+and hides packed sequences (position ids that restart per document) from the model's attention,
+which then runs across documents.
 """
 
 from __future__ import annotations
@@ -138,7 +140,7 @@ def forward_loss(engine: Any, batch: Any) -> tuple[Any, Any, torch.Tensor | None
     `model(**batch)`), the loss from the configured function or, with `loss=model`, from the
     model itself (its labels passed as `labels=`)."""
     own = is_model_loss(engine.loss)
-    no_cache = not engine.module.training and takes_use_cache(engine.module)
+    no_cache = takes_use_cache(engine.module)
     try:
         outputs, labels = call_model(engine.model, batch, engine.label_key, own, no_cache)
     except RuntimeError as exc:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from framework.data.loaders import BatchIterator
 from framework.data.packing import Packer
 from framework.data.stream_loader import StreamLoader
 from framework.data.streams import Reader, Stream
+from framework.engine.steps import forward_loss
 from framework.models import MLP
 
 TRAIN, VALID = digits()
@@ -174,14 +176,16 @@ def test_packing_keeps_every_token_and_resumes_inside_a_document():
 def test_documents_kept_apart_give_the_loss_of_one_document_per_row():
     """Packed with position ids restarting per document (no attention across documents), a
     Hugging Face Llama's per-token loss over a block equals its loss over the same documents one
-    per row (fp32)."""
+    per row (fp32), also through the framework's training step (the model in training mode, its
+    configured key/value cache on: a cache would hide the packing from the attention)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa",
     )  # fmt: skip
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = transformers.LlamaForCausalLM(config).train()
+    assert model.config.use_cache
     docs = [torch.randint(1, 64, (n,)).tolist() for n in (6, 10, 4, 7)]
     packer = Packer(1, lambda d: d, block_size=32, eos_id=63, keep_apart=True)
     blocks = [item for i, d in enumerate(docs) for item in packer.feed(i, d)] + packer.flush()
@@ -190,7 +194,8 @@ def test_documents_kept_apart_give_the_loss_of_one_document_per_row():
         for k in ("input_ids", "labels", "position_ids")
     }
     with torch.no_grad():
-        packed = model(**batch, use_cache=False).loss
+        step = SimpleNamespace(model=model, module=model, label_key="labels", loss="model")
+        packed = forward_loss(step, batch)[2]
         rows = [torch.tensor([[*d, 63]]) for d in docs]
         per_row = sum(model(input_ids=r, labels=r).loss * (r.shape[1] - 1) for r in rows) / sum(
             len(d) for d in docs
