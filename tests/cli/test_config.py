@@ -13,6 +13,7 @@ from framework.cli.build import build_strategy
 from framework.cli.config import GROUPS, check_schema
 from framework.cli.main import prepare_argv
 from framework.data.datasets import Splits
+from framework.data.streams import Reader, Stream
 from framework.errors import ConfigError
 from framework.plan.strategy import Strategy
 
@@ -122,6 +123,15 @@ def test_every_data_option_instantiates(compose, name, tmp_path):
         overrides.append(f"data.dataset.data_files={notes}")
         splits = instantiate(compose(overrides).data.dataset)
         assert set(splits.train[0]) == {"input_ids", "labels"} and len(splits.valid) > 0
+        return
+    if name == "hf_stream":  # a corpus of the user's, streamed: no length, blocks as it is read
+        corpus = tmp_path / "corpus.txt"
+        corpus.write_text("".join(f"document {i} of the corpus\n" for i in range(100)))
+        overrides += [f"data.dataset.data_files={corpus}", "data.dataset.block_size=16"]
+        splits = instantiate(compose(overrides).data.dataset)
+        block, _, _ = next(iter(Reader(splits.train, 0, 1, 0, {})))
+        assert set(block) == {"input_ids", "labels"} and len(block["input_ids"]) == 16
+        assert isinstance(splits.train, Stream) and splits.valid is not None
         return
     if name == "hf_classification":  # (text, label) rows of the user's; byte tokens by default
         rows = tmp_path / "rows.jsonl"
