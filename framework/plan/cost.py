@@ -19,6 +19,13 @@ take p Ψ / N there too (measured); with accumulation they stay whole until the 
 
 Offloaded parts live in CPU memory instead of the device's.
 
+The peak (`peak_bytes`) adds what exists only for a moment. At the optimizer step of stages 1-2,
+DeepSpeed makes a flat fp32 copy of this rank's gradient partition (4 Ψ / N); at stage 3 it does
+the same per sub-group (4 x min(sub group, Ψ / N)). While a ZeRO-3 layer computes, its
+parameters are gathered whole and its gradient is whole until reduced (2 p L for the largest
+parameter L). DeepSpeed's own estimators (`estimate_zero2/3_model_states_mem_needs`) count the
+same parts (tested within 10 %); activations are not in either.
+
 Under tensor parallelism of degree T, the parameters its plan splits count 1/T on a rank, and
 N is the data-parallel degree that is left (processes / T); expert parallelism of degree E
 divides the experts' parameters by E (`split_numel` counts what a plan splits). Sequence
@@ -188,6 +195,8 @@ def model_state_bytes(
         cpu += params
         params_device = 0.0
     total = params + grads + optim + buffers
+    transient = _step_and_working_bytes(strategy, num_params, largest_param, psi / n, p)
+    device = params_device + grads + optim_device + buffers
     return {
         "parameters": int(num_params),
         "params_bytes": int(params),
@@ -195,11 +204,27 @@ def model_state_bytes(
         "optimizer_bytes": int(optim),
         "buffer_bytes": int(buffers),
         "total_bytes": int(total),
-        "device_bytes": int(params_device + grads + optim_device + buffers),
+        "device_bytes": int(device),
+        "peak_bytes": int(device + transient),
         "cpu_bytes": int(cpu),
         "data_parallel_size": n,
         "parameters_per_rank": int(psi),
     }
+
+
+def _step_and_working_bytes(
+    strategy: Strategy, num_params: int, largest: int, partition: float, p: int
+) -> float:
+    """The device bytes that exist only at the optimizer step or while a ZeRO-3 layer computes
+    (see the module doc); `partition`: this rank's parameters, Ψ / N."""
+    stage = strategy.sharding.stage
+    if stage in (1, 2):
+        return 0.0 if strategy.sharding.offload_optimizer else 4 * partition
+    if stage != 3:
+        return 0.0
+    sub_group = chosen_sizes(strategy, num_params, largest)["sub_group_size"]
+    step = 0.0 if strategy.sharding.offload_optimizer else 4 * min(sub_group, partition)
+    return step + 2 * p * largest
 
 
 def live_tensor_bytes(exclude: set[int] | None = None) -> tuple[int, set[int]]:
