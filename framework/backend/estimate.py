@@ -3,10 +3,13 @@ applied to a live module), with DeepSpeed's own estimators beside them."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+from framework.backend import parallel, recompute
 from framework.plan.cost import model_state_bytes, optimizer_state_bytes_per_param, param_counts, split_numel
 from framework.plan.strategy import Strategy
+from framework.plan.tune import ModelFacts
 
 
 def deepspeed_estimate(
@@ -48,3 +51,26 @@ def estimate(
     result["largest_parameter"] = largest
     result["deepspeed_estimate"] = deepspeed_estimate(strategy, numel, largest, world_size)
     return result
+
+
+def model_facts(module: Any, strategy: Strategy, optimizer: Any, world_size: int) -> ModelFacts:
+    """What an autotune search needs of `module` (`framework.plan.tune.ModelFacts`): its sizes,
+    what tensor parallelism would split, whether it has blocks to recompute, the degrees it takes.
+    Works on a model built on the meta device (nothing is read but shapes)."""
+    numel, largest = param_counts(module)
+    degrees = parallel.tp_degrees(module, world_size)
+    split_strategy = strategy
+    if max(degrees) > 1 and strategy.tensor_parallel.degree == 1:  # what a degree > 1 would split
+        split_strategy = dataclasses.replace(
+            strategy, tensor_parallel=dataclasses.replace(strategy.tensor_parallel, degree=max(degrees))
+        )
+    tp_split, ep_split = split_numel(module, split_strategy)
+    return ModelFacts(
+        parameters=numel,
+        largest_parameter=largest,
+        optimizer_bytes_per_param=optimizer_state_bytes_per_param(optimizer) if optimizer is not None else 8,
+        tp_split=tp_split,
+        ep_split=ep_split,
+        recomputable=bool(recompute.recompute_units(module)),
+        tp_degrees=degrees,
+    )

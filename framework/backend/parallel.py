@@ -55,6 +55,26 @@ def tp_plan_of(strategy: Strategy, module: nn.Module) -> dict[str, str] | None:
     )
 
 
+def tp_degrees(module: nn.Module, world_size: int) -> tuple[int, ...]:
+    """The tensor-parallel degrees `module` can take on `world_size` processes (1 always): those
+    that divide the processes and its heads, when it has a plan (its own `tensor_parallel_plan`,
+    a Hugging Face model's `tp_plan`)."""
+    config = getattr(module, "config", None)
+    has_plan = bool(getattr(module, "tensor_parallel_plan", None) or getattr(module, "_tp_plan", None))
+    has_plan = has_plan or bool(
+        getattr(getattr(config, "text_config", None) or config, "base_model_tp_plan", None)
+    )
+    if not has_plan:
+        return (1,)
+    heads = _config_value(module, _HEADS)
+    kv = _config_value(module, _KV_HEADS) or heads
+    return tuple(
+        d
+        for d in range(1, world_size + 1)
+        if world_size % d == 0 and (d == 1 or (heads is not None and heads % d == 0 and (kv or 0) % d == 0))
+    )
+
+
 def check_model(strategy: Strategy, mesh: Mesh, module: nn.Module) -> None:
     """One-line errors for degrees the model cannot take (heads, key-value heads, experts)."""
     heads = _config_value(module, _HEADS)

@@ -31,7 +31,7 @@ from framework.backend.ds_config import configures_optimizer
 from framework.backend.runtime import Runtime
 from framework.data.device_loader import DeviceLoader
 from framework.data.outputs import ModelLoss, is_model_loss
-from framework.engine import evaluation, fine_grained, loops
+from framework.engine import autotune, evaluation, fine_grained, loops
 from framework.engine.arguments import check_dataset, check_engine_arguments
 from framework.engine.fine_grained import check_mode
 from framework.engine.fit_config import FitConfig, fit_config
@@ -139,18 +139,11 @@ class Engine:
 
     process = property(lambda self: self.runtime.process, doc="The job's `ProcessContext`.")
 
-    @property
-    def deepspeed_config(self) -> dict[str, Any] | None:
-        """The config dict DeepSpeed received."""
-        return self.runtime.config
+    deepspeed_config = property(lambda self: self.runtime.config, doc="The config dict DeepSpeed received.")
 
     world_size = property(lambda self: self.runtime.world_size, doc="Processes in the job.")
-    dp_size = property(
-        lambda self: self.runtime.dp_size, doc="Data-parallel degree: processes / pipeline stages."
-    )
-    dp_rank = property(
-        lambda self: self.runtime.dp_rank, doc="This rank's index among the data-parallel ranks."
-    )
+    dp_size = property(lambda self: self.runtime.dp_size, doc="Data-parallel degree (replicas of the model).")
+    dp_rank = property(lambda self: self.runtime.dp_rank, doc="This rank's data-parallel index.")
     lr = property(lambda self: self.runtime.lr, doc="Current learning rate of the first parameter group.")
     grad_norm = property(lambda self: self.runtime.grad_norm, doc="Gradient norm of the last step.")
     loss_scale = property(lambda self: self.runtime.loss_scale, doc="Current fp16 loss scale (1.0 without).")
@@ -300,9 +293,8 @@ class Engine:
         )
 
     def close(self) -> None:
-        """End the distributed setup this engine made (its process context and group; nothing for
-        a context it was given); a script that does not call it gets the same at exit. Also
-        `with Engine(...) as engine:`."""
+        """End the process context and group this engine made (nothing for one it was given); a
+        script gets the same at exit. Also `with Engine(...) as engine:`."""
         self.runtime.close()
 
     def __enter__(self) -> Engine:
@@ -336,6 +328,15 @@ class Engine:
             self.state.info.resumed_from = str(found)
         else:
             self.runtime.load_full_state_dict(weights.load_weights(path))
+
+    def autotune(
+        self, train_data: Any, batch_size: int, memory_gb: float | None = None, **options: Any
+    ) -> tuple[Strategy, list[dict[str, Any]]]:  # fmt: skip
+        """Try the layouts of `batch_size` that may fit `memory_gb` per rank (default: the device's) a few
+        steps each; train with the fastest that fits from now on. Returns it and the trials (`autotune.search`)."""
+        strategy, table = autotune.search(self, train_data, batch_size, memory_gb, **options)
+        self.runtime = Runtime(strategy, self.process)
+        return strategy, table
 
     def cost(self, mode: str = "train", world_size: int | None = None) -> dict[str, Any]:
         """Estimated per-rank bytes of parameters, gradients and optimizer states under this

@@ -92,3 +92,24 @@ def use_tf32(enabled: bool = True) -> None:
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8:
         torch.backends.cuda.matmul.allow_tf32 = enabled
         torch.backends.cudnn.allow_tf32 = enabled
+
+
+def host_memory_bytes() -> int:
+    """This machine's memory as this process may use it: the RAM, or the container's (cgroup)
+    limit when that is lower."""
+    total = int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = open(limit_file).read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total
+
+
+def device_memory_bytes(accelerator: str, device_index: int = 0, local_ranks: int = 1) -> int:
+    """One rank's memory: its GPU's total, or on a CPU the machine's memory over the ranks on it."""
+    if accelerator == "cuda":
+        return int(torch.cuda.get_device_properties(device_index).total_memory)
+    return host_memory_bytes() // max(1, local_ranks)
