@@ -16,6 +16,7 @@ from omegaconf import MISSING, OmegaConf
 
 from framework.errors import ConfigError
 from framework.plan.strategy import Strategy
+from framework.plan.tune import KNOBS
 from framework.process import slurm
 
 # Config groups chosen in train.yaml's defaults list. `+group=x` and `group=x` both select an
@@ -33,6 +34,7 @@ GROUPS = (
     "callbacks",
     "experiment",
     "hparams_search",
+    "autotune",
 )
 
 
@@ -91,6 +93,33 @@ class TrainerConfig:
 
 
 @dataclass
+class AutotuneTarget:
+    """A cluster that is not here, for planning on paper (`autotune.only=true`)."""
+
+    devices: int | None = None  # ranks of the target (plan with the cost model alone; nothing runs)
+    memory_gb: float | None = None  # memory of each target rank in GB (default: autotune.memory_gb)
+
+
+@dataclass
+class AutotuneConfig:
+    """`+autotune=search`: the fastest layout that fits, by short trials (framework.plan.tune)."""
+
+    memory_gb: float | None = (
+        None  # per-rank budget in GB (2^30 bytes); default: the GPU's, or RAM / local ranks
+    )
+    margin: float = 0.9  # a layout may use this fraction of the budget
+    trial_steps: int = 6  # optimizer steps of each trial (in a fresh worker group)
+    warmup_steps: int = 2  # of a trial's steps, the first ones are not timed
+    space: list[str] = field(
+        default_factory=lambda: list(KNOBS)
+    )  # knobs to vary (the rest as the strategy says)
+    exhaustive: bool = False  # try every layout, not only the frontier of what just fits (plan/tune.py)
+    only: bool = False  # report the trials (or the paper plan) and stop: nothing is trained
+    cache: bool = False  # reuse the result of an earlier job of this sweep / day: same model, mesh, batch
+    target: AutotuneTarget = field(default_factory=AutotuneTarget)
+
+
+@dataclass
 class TrainConfig:
     """Everything one run needs."""
 
@@ -107,6 +136,7 @@ class TrainConfig:
     step: Any = None  # a custom training step: {_target_: my.step, _partial_: true}
     eval_step: Any = None  # a custom validation step, the same way
     dry_run: bool = False  # print the per-rank memory estimate and the DeepSpeed config, then exit
+    autotune: AutotuneConfig | None = None  # +autotune=search: choose the layout by trials first
 
 
 # Old key -> the name it has now (the Python API's, Paddle's): still accepted, with one line.
@@ -148,6 +178,12 @@ MINIMUM: dict[str, int | float] = {
     "data.num_workers": 0,
     "data.prefetch": 0,
     "strategy.gradient_clip.max_norm": 0,
+    "autotune.memory_gb": 0.0,
+    "autotune.margin": 0.0,
+    "autotune.trial_steps": 2,
+    "autotune.warmup_steps": 1,
+    "autotune.target.devices": 1,
+    "autotune.target.memory_gb": 0.0,
 }
 
 

@@ -55,19 +55,22 @@ def _target(node: Any) -> Any:
         return None
 
 
-def count_parameters(node: Any) -> int:
-    """Parameters the model will have, from a build on the meta device (no memory, the random
-    generators untouched): of the model itself, or for a `path` directory of a Hugging Face model,
-    of its config.json's architecture (never read from the size of the weight files)."""
+def meta_model(node: Any) -> Any:
+    """The model built on the meta device (shapes only: no memory, the random generators
+    untouched): the model itself, or for a `path` directory of a Hugging Face model, its
+    config.json's architecture (never read from the weight files)."""
     path = node.get("path") if hasattr(node, "get") else None
     config_file = Path(str(path)) / "config.json" if path else None
     with torch.random.fork_rng(devices=[]), torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if config_file is not None and config_file.is_file():
-            model = hf.model_from_config_dir(config_file.parent, strict=False)
-        else:
-            model = instantiate(node)
-    return sum(p.numel() for p in model.parameters())
+            return hf.model_from_config_dir(config_file.parent, strict=False)
+        return instantiate(node)
+
+
+def count_parameters(node: Any) -> int:
+    """Parameters the model will have (`meta_model`)."""
+    return sum(p.numel() for p in meta_model(node).parameters())
 
 
 def _free_host_bytes() -> int:

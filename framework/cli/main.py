@@ -24,7 +24,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from framework.backend import deepspeed_globals
 from framework.checkpoint import preemption
 from framework.checkpoint.store import complete_checkpoints, read_meta
-from framework.cli import sweep
+from framework.cli import autotune, sweep
 from framework.cli.argv import HydraView, check_group_choice, check_untyped_keys, normalize, untyped_overrides
 from framework.cli.build import checkpoint_dir, train, validate
 from framework.cli.config import check_override, register_configs
@@ -279,6 +279,12 @@ def launch_job(cfg: DictConfig, output_dir: str) -> float | None:
     join_slurm_tasks()
     accelerator = choose_accelerator(str(cfg.trainer.accelerator))
     deepspeed_globals.quiet(_verbose(cfg), accelerator)  # before DeepSpeed's first import says anything
+    if cfg.get("autotune") is not None and not cfg.dry_run:
+        validate(cfg, world_size=int(cfg.trainer.devices))
+        tuned = autotune.tune_job(cfg, output_dir)  # the fastest layout that fits, by trials
+        if tuned is None:
+            return None
+        cfg = tuned
     devices = int(cfg.trainer.devices)
     context = dict(sweep_context(), log_file=runlog.hydra_log_file())  # rank 0 copies its console there
     if launched() or devices == 1:
