@@ -371,16 +371,23 @@ def run_search(
     exhaustive: bool = False,
 ) -> Trial | None:
     """Prune, try the remaining trials (`measure` returns peak GB, samples/s, error) in the order
-    of the module doc, print each row as it finishes; `trials` is left in that order. The chosen
-    trial or None."""
+    of the module doc, print each row as it finishes (skipped ones as one line per reason);
+    `trials` is left in that order. The chosen trial or None."""
     prune(trials, budget_gb, margin)
     if not exhaustive:
         trials.sort(key=lambda t: t.layout.simplicity)
     show(table_header())
     done: list[Trial] = []
+    skipped: dict[str, int] = {}
     for trial in trials:
         if trial.status == "pending" and not skip_dominated(trial, done, exhaustive):
             record(trial, *measure(trial), limit_gb=budget_gb * margin)
             done.append(trial)
+        if trial.status.startswith("skipped: "):
+            reason = trial.status.removeprefix("skipped: ")
+            skipped[reason] = skipped.get(reason, 0) + 1
+            continue
         show(table_row(trial))
+    for reason, count in skipped.items():
+        show(f"  {count} layout(s) skipped: {reason}")
     return choose(trials)
