@@ -7,7 +7,9 @@ Where each event fires in `Engine.fit`::
         EPOCH_START
         for each training step (one call of the step function, any number of batches):
             STEP_START          before the call (a call that finds the epoch over has no STEP_END)
-            STEP_END            state.logs holds the step's loss/lr/... ; set state.stop_training to stop
+            STEP_END            state.logs holds batches and lr, and at logging points (state.log_now,
+                                every log_freq steps) the window's loss and throughput;
+                                set state.stop_training to stop
         VALIDATION_END          after validation, state.logs holds val_* (only when validation ran)
         EPOCH_END               state.logs holds the epoch summary; state.history is updated
         CHECKPOINT_SAVED        whenever a checkpoint was written (state.last_checkpoint)

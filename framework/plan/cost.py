@@ -92,7 +92,7 @@ def auto_sizes(num_params: int, largest_param: int, largest_block: int = 0) -> d
       persistence threshold     = 10 x sqrt(L)    biases / norms stay whole, like HF's 10 x hidden
       sub group                 = P / 4           optimizer step in ~4 chunks (matters under offload)
     DeepSpeed's own defaults (5e8-element buckets, 1e9 live parameters) are sized for large
-    GPUs; the README's Performance section compares the two.
+    GPUs; the docs' Performance page (docs/performance.md) compares the two.
     """
 
     def clamp(n: int) -> int:

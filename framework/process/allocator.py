@@ -12,7 +12,7 @@ heap and stay resident. The thresholds are therefore fixed, by ZeRO stage:
   forward and backward, makes full-size gradients, bucket copies and gloo's temporaries of them,
   and frees them again, while activations made in between stay until backward: in the heap they
   pin the holes those buffers leave, so the heap only grows and the memory ZeRO saves stays
-  resident. Own mappings give it back, for more page faults per step (the README's Performance
+  resident. Own mappings give it back, for more page faults per step (the docs' Performance
   section has the measured memory and time).
 
 Any MALLOC_*_ variable the user set wins (glibc then uses theirs).

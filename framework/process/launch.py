@@ -80,7 +80,7 @@ def check_devices(devices: int, accelerator: str) -> None:
         what = f"{available} GPU(s)" if accelerator == "cuda" else f"{available} CPU core(s) and no GPU"
         raise ConfigError(
             f"trainer.devices={devices} but this machine has {what}; use trainer.devices<={available}, "
-            "or start processes on several machines with torchrun (README: Scaling out)"
+            "or start processes on several machines with torchrun (docs: how-to/launchers.md)"
         )
 
 
