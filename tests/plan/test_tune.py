@@ -108,7 +108,10 @@ def test_prune_skip_and_choose():
             assert [t.layout.stage for t in trials][:4] == [0, 1, 2, 3]  # left in the order tried
         assert len(lines) == (6 if exhaustive else 5)  # header, rows; skipped ones as one line
         if not exhaustive:
-            assert lines[-1] == "  2 layout(s) skipped: saves more memory than ZeRO-1 | micro 8 x 1, which fits (no faster)"
+            assert (
+                lines[-1]
+                == "  2 layout(s) skipped: saves more memory than ZeRO-1 | micro 8 x 1, which fits (no faster)"
+            )
 
 
 def test_what_cannot_fit_is_skipped_and_ties_go_to_the_simpler():
