@@ -13,6 +13,7 @@ pytestmark = pytest.mark.timeout(600)
 
 EXPECTED_KEYS = {
     "overhead": {"zero_stage", "processes", "raw_ms", "fit_ms", "ratio_fit_over_raw"},
+    "exactness": {"mechanism", "processes", "with_ms", "without_ms", "ratio_with_over_without"},
     "stalls": {"compute_ms", "data_ms", "naive_over_max", "fit_over_max"},
     "first_step": {"raw_s", "train_py_s", "ratio"},
     "memory": {
