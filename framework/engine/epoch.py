@@ -7,6 +7,7 @@ calls `train_epoch` once per epoch).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -15,7 +16,7 @@ from framework.data import loaders as data_lib
 from framework.data.outputs import batch_size_of
 from framework.data.stream_loader import StreamLoader
 from framework.engine.evaluation import Host
-from framework.engine.items import step_weights
+from framework.engine.items import StepWeights, window_weights
 from framework.engine.steps import apply_train_result, bind_step, default_train_step
 from framework.observe.callbacks import CallbackList, Event
 from framework.observe.state import LoopState
@@ -26,6 +27,8 @@ from framework.process.context import ProcessContext
 
 # A step that pulls no batch this many times in a row would never end an epoch.
 MAX_IDLE_CALLS = 10_000
+# Micro-batches whose items the framework's step counts in one all-reduce, on the CPU.
+COUNT_AHEAD = 16
 
 
 def train_epoch(
@@ -50,7 +53,7 @@ def train_epoch(
 
     data = _EpochData(host, loader, budget)
     batches = data.batches
-    step = _train_step_caller(host, batches)
+    step = _train_step_caller(host, batches, data.stream)
     # A middle pipeline stage pulls no data, so every rank counts train_batch calls instead.
     pipeline_calls = budget.steps_per_epoch if runtime.strategy.uses_pipeline else None
     pending: list[Any] = []  # losses of the optimizer step in progress (dropped if fp16 skips it)
@@ -79,6 +82,8 @@ def train_epoch(
                 raise RuntimeError(f"the training step pulled no batch in {MAX_IDLE_CALLS} consecutive calls")
             events.fire(Event.STEP_END, st)
     finally:
+        if isinstance(step, _DefaultStep):
+            step.close()
         data.source.close()
     return _epoch_logs(host, pending)
 
@@ -220,24 +225,57 @@ def _reduced_window_loss(st: LoopState, process: ProcessContext) -> float:
     return value
 
 
-def _train_step_caller(host: Host, batches: data_lib.BatchIterator) -> Callable[[], Any]:
+def _train_step_caller(
+    host: Host, batches: data_lib.BatchIterator, stream: bool = False
+) -> Callable[[], Any]:
     """A zero-argument call of the host's step flavour on `batches`."""
     if host.runtime.strategy.uses_pipeline:
         return lambda: {"loss": host.runtime.train_batch(batches)}
     if host.train_step_fn is not None:
         call = bind_step(host.train_step_fn)
         return lambda: call(host, batches)
-    rt = host.runtime
-    acc, stage = rt.strategy.accumulation_steps, rt.strategy.sharding.stage
-    device = rt.process.collective_device
-    weights: list[Any] = []
+    return _DefaultStep(host, batches, stream)
 
-    def default_step() -> Any:
-        if not weights:  # an optimizer step begins: count the items of its global batch
-            group = batches.peek_many(acc)
-            found = step_weights(group, host.loss, host.module, host.label_key, rt.mesh, stage, device)
-            weights.extend(found or [None] * len(group))
-        batch = next(batches)
-        return default_train_step(host, batch, weights.pop(0))
 
-    return default_step
+class _DefaultStep:
+    """The framework's step, one micro-batch per call, each weighted by its share of its optimizer
+    step's items (`framework.engine.items`). On the CPU the items of several optimizer steps ahead
+    (`COUNT_AHEAD` micro-batches) are counted in one all-reduce: a gloo collective costs each rank
+    ~0.3 ms of host time whatever it carries, as much as the rest of the step's bookkeeping
+    (`benchmarks.exactness`). On CUDA the count's all-reduce is queued on the device and the host
+    never waits for it, so each step counts its own. Over a stream, whose ranks may reach its end
+    at different steps, each step counts its own too."""
+
+    def __init__(self, host: Host, batches: data_lib.BatchIterator, stream: bool):
+        self.host, self.batches = host, batches
+        rt = host.runtime
+        self.acc = rt.strategy.accumulation_steps
+        self.steps_ahead = 1 if rt.process.cuda or stream else max(1, COUNT_AHEAD // self.acc)
+        self.weights: list[Any] = []  # the counted micro-batches' weights still to use, in order
+        self.windows: list[StepWeights] = []
+
+    def __call__(self) -> Any:
+        if not self.weights:  # an optimizer step begins: count the items of its global batch (and more)
+            self._count()
+        return default_train_step(self.host, next(self.batches), self.weights.pop(0))
+
+    def _count(self) -> None:
+        host, rt = self.host, self.host.runtime
+        ahead = self.batches.peek_many(self.acc * self.steps_ahead)
+        steps = [ahead[i : i + self.acc] for i in range(0, len(ahead), self.acc)] or [[]]
+        device = rt.process.collective_device
+        found = window_weights(
+            steps, host.loss, host.module, host.label_key, rt.mesh, rt.strategy.sharding.stage, device
+        )
+        self.windows = found or []
+        for i, step in enumerate(steps):
+            self.weights.extend(
+                functools.partial(found[i].__getitem__, j) if found else None for j in range(len(step))
+            )
+        if not self.weights:
+            self.weights.append(None)  # no batch left: the step's next() ends the epoch
+
+    def close(self) -> None:
+        """Finish a count still in flight (the epoch ended before its steps ran)."""
+        for weights in self.windows:
+            weights.settle()

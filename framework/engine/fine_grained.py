@@ -5,6 +5,7 @@ step at a time. Functions of the `framework.engine.evaluation.Host` protocol; no
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -226,7 +227,7 @@ def run_one(host: Host, batch: Any, mode: str, unpadded: int) -> dict[str, Any]:
             )
         losses = []
         for i, micro in enumerate(micros):
-            weight = weights[i] if weights is not None else None
+            weight = functools.partial(weights.__getitem__, i) if weights is not None else None
             result: Any = (
                 default_train_step(host, micro, weight) if call is None else call(host, iter([micro]))
             )

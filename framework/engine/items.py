@@ -20,7 +20,9 @@ loss is, unless the batch gives Hugging Face's pre-shifted `shift_labels`), a lo
 the framework's `LMLoss`) and integer labels, and any loss with `reduction == "sum"` (items:
 labels != -100 for integer labels, else samples). Other losses average over samples, and every
 training micro-batch holds the same number of samples, so they need no weight. The counts are
-device tensors all-reduced without a host sync.
+device tensors all-reduced without a host sync, and without waiting: the all-reduce is started
+when the step's micro-batches are known and awaited after the first forward pass, when the
+first weight is needed (measured by `benchmarks.exactness`).
 """
 
 from __future__ import annotations
@@ -82,6 +84,79 @@ def _items_of(batch: Any, loss: Any, module: Any, label_key: str) -> torch.Tenso
     return counted_items(split(batch, label_key)[2], loss, module)
 
 
+class _Totals:
+    """The global item counts of one or more optimizer steps, all-reduced in one collective that
+    is started at once and awaited when a count is first needed."""
+
+    def __init__(self, totals: torch.Tensor, work: Any):
+        self._totals, self._work = totals, work
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._totals
+
+
+class StepWeights(Sequence[torch.Tensor]):
+    """The weights of one optimizer step's micro-batches, whose global item count may still be in
+    flight: the first weight read waits for it, so the all-reduce runs while the first
+    micro-batch's forward pass does and no rank stalls in it before its step begins."""
+
+    def __init__(
+        self, local: torch.Tensor, totals: _Totals, index: int, copies: int, ranks: int, summed: bool
+    ):
+        self._local, self._totals, self._index = local, totals, index
+        self._copies, self._ranks, self._summed = copies, ranks, summed
+        self._weights: list[torch.Tensor] | None = None
+
+    def __len__(self) -> int:
+        return int(self._local.shape[0])
+
+    def __getitem__(self, i: Any) -> Any:
+        if self._weights is None:
+            total = self._totals.wait()[self._index].to(self._local.device)
+            total = (total / self._copies).clamp_min(1.0)
+            scale = self._ranks * len(self) / total
+            weights = scale.expand(len(self)) if self._summed else self._local * scale
+            self._weights = [w.to(torch.float32) for w in weights.unbind()]
+        return self._weights[i]
+
+    def settle(self) -> None:
+        """Finish the count's all-reduce (a step the epoch's end left unused still took part in it)."""
+        self._totals.wait()
+
+
+def window_weights(
+    steps: Sequence[Sequence[Any]],
+    loss: Any,
+    module: Any,
+    label_key: str,
+    mesh: Mesh,
+    zero_stage: int = 0,
+    device: torch.device | None = None,
+) -> list[StepWeights] | None:
+    """`step_weights` of several consecutive optimizer steps (each a list of micro-batches) with
+    one all-reduce of their counts: a collective costs the host the same for one count or many,
+    and on the CPU (gloo) each costs a step about as much as the counting it serves. Collective:
+    every rank calls it at the same point with the same number of steps."""
+    ranks, copies = mesh.dp_size * mesh.sp_size, mesh.tp_size  # whose losses add up; who holds an item
+    locals_: list[torch.Tensor] = []
+    for micro_batches in steps:
+        if mesh.sp_size > 1:
+            micro_batches = [sequence_parallel.shard(batch, mesh, label_key) for batch in micro_batches]
+        counts = [_items_of(batch, loss, module, label_key) for batch in micro_batches]
+        if not counts or any(c is None for c in counts):
+            return None
+        locals_.append(torch.stack([c for c in counts if c is not None]))
+    totals = torch.stack([local.sum() for local in locals_]).to(device or torch.device("cpu"))
+    work = None
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        work = torch.distributed.all_reduce(totals, async_op=True)
+    shared, summed = _Totals(totals, work), reduction_of(loss) == "sum"
+    return [StepWeights(local, shared, i, copies, ranks, summed) for i, local in enumerate(locals_)]
+
+
 def step_weights(
     micro_batches: Sequence[Any],
     loss: Any,
@@ -90,24 +165,13 @@ def step_weights(
     mesh: Mesh,
     zero_stage: int = 0,
     device: torch.device | None = None,
-) -> list[torch.Tensor] | None:
+) -> StepWeights | None:
     """One weight per micro-batch of an optimizer step on this rank (see the module doc), or
     None when the loss needs none. Tensor-parallel ranks hold the same items (counted once);
     sequence-parallel ranks each count their slice (`framework.backend.sequence_parallel`, whose
     `gradient_share` corrects ZeRO 0-2's gradient sum over them). Collective over all ranks:
     every rank calls it once per optimizer step, with the same number of micro-batches; the count
-    is reduced on `device` (the process context's collective device; the CPU when None)."""
-    ranks, copies = mesh.dp_size * mesh.sp_size, mesh.tp_size  # whose losses add up; who holds an item
-    if mesh.sp_size > 1:
-        micro_batches = [sequence_parallel.shard(batch, mesh, label_key) for batch in micro_batches]
-    counts = [_items_of(batch, loss, module, label_key) for batch in micro_batches]
-    if not counts or any(c is None for c in counts):
-        return None
-    local = torch.stack([c for c in counts if c is not None])
-    total = local.sum().to(device or torch.device("cpu"))
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        torch.distributed.all_reduce(total)
-    total = (total.to(local.device) / copies).clamp_min(1.0)
-    scale = ranks * len(micro_batches) / total
-    weights = local * scale if reduction_of(loss) == "mean" else scale.expand(len(micro_batches))
-    return [w.to(torch.float32) for w in weights.unbind()]
+    is reduced on `device` (the process context's collective device; the CPU when None), started
+    here and awaited when a weight is first read (`StepWeights`)."""
+    found = window_weights([micro_batches], loss, module, label_key, mesh, zero_stage, device)
+    return None if found is None else found[0]

@@ -163,9 +163,12 @@ def _input_dtypes(batch: Any, label_key: str) -> str:
     return "/".join(sorted(set(found))) or "non-tensor"
 
 
-def default_train_step(engine: Any, batch: Any, weight: torch.Tensor | None = None) -> torch.Tensor:
+def default_train_step(
+    engine: Any, batch: Any, weight: torch.Tensor | Callable[[], torch.Tensor] | None = None
+) -> torch.Tensor:
     """The loss of one batch, updating the training metrics; times `weight`, the batch's share
-    of its optimizer step's items (`framework.engine.items`), when the loss averages over items. Under
+    of its optimizer step's items (`framework.engine.items`), when the loss averages over items
+    (a callable weight is read after the forward pass: its count may still be in flight). Under
     sequence parallelism, on this rank's slice of the batch (`framework.backend.sequence_parallel`)."""
     mesh, stage = engine.runtime.mesh, engine.runtime.strategy.sharding.stage
     if mesh.sp_size > 1:
@@ -176,7 +179,8 @@ def default_train_step(engine: Any, batch: Any, weight: torch.Tensor | None = No
             "the training batches carry no labels (the last element of a tuple, or data.label_key)"
         )
     update_metrics(engine, engine.metrics.train, outputs, labels, aligned=mesh.sp_size > 1)
-    loss = loss if weight is None else loss.float() * weight.to(loss.device)
+    if weight is not None:
+        loss = loss.float() * (weight() if callable(weight) else weight).to(loss.device)
     return sequence_parallel.gradient_share(loss, mesh, stage)
 
 

@@ -23,7 +23,7 @@ from framework.data.datasets import synthetic
 from framework.data.loaders import BatchIterator, Prefetcher
 from framework.data.outputs import ModelLoss
 from framework.engine import schedulers
-from framework.engine.items import counted_items, step_weights
+from framework.engine.items import counted_items, step_weights, window_weights
 from framework.models import MLP, LMLoss
 from framework.plan.run_plan import Mesh, step_budget
 from framework.plan.run_plan import batch_layout as layout_of
@@ -184,6 +184,22 @@ def test_counted_items_follow_the_loss():
     assert [w.item() for w in mean] == pytest.approx([4 / 3, 2 / 3])
 
 
+def test_steps_counted_in_one_window_weigh_as_each_counted_alone():
+    labels = torch.tensor([[1, 2, -100, -100], [3, -100, -100, -100], [4, 5, 6, -100]])
+    steps = [
+        [(None, labels[:1]), (None, labels[1:2])],
+        [(None, labels[2:]), (None, labels[:1])],
+        [(None, labels[1:2])],
+    ]
+    one = Mesh(world_size=1, rank=0)
+    window = window_weights(steps, LMLoss(), None, "labels", one)
+    assert window is not None and [len(w) for w in window] == [2, 2, 1]
+    for together, step in zip(window, steps):
+        alone = step_weights(step, LMLoss(), None, "labels", one)
+        assert alone is not None and [w.item() for w in together] == [w.item() for w in alone]
+    assert window_weights(steps, torch.nn.MSELoss(), None, "labels", one) is None  # no counts: no weights
+
+
 # ---------------------------------------------------------------------------------------- edges
 
 
@@ -265,7 +281,7 @@ def test_the_prefetcher_keeps_exactly_its_depth_ahead():
             pulled.append(i)
             yield i
 
-    prefetcher = Prefetcher(source(), lambda b: b, depth=2)
+    prefetcher = Prefetcher(source(), lambda b: b, depth=2, background=True)
     batches = BatchIterator(prefetcher)
     next(batches)
     import time
@@ -273,6 +289,33 @@ def test_the_prefetcher_keeps_exactly_its_depth_ahead():
     time.sleep(0.3)
     assert len(pulled) - batches.fetched == 2
     prefetcher.close()
+
+
+def _prefetch_threads() -> int:
+    import threading
+
+    return sum(t.name == "hydraspeed-prefetch" for t in threading.enumerate())
+
+
+def test_a_cpu_rank_without_a_core_to_spare_pulls_each_batch_when_the_step_asks(monkeypatch):
+    import os
+
+    from framework.data.transfer import Copier
+
+    cores, threads = len(os.sched_getaffinity(0)), torch.get_num_threads()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores))  # as many ranks here as cores
+    before = _prefetch_threads()
+    inline = Prefetcher(iter(range(3)), Copier(torch.device("cpu")), depth=2)
+    assert _prefetch_threads() == before and [batch for batch, _ in inline] == [0, 1, 2]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    if cores > 1:  # one rank whose compute leaves a core free: a thread pulls ahead
+        torch.set_num_threads(cores - 1)
+        try:
+            ahead = Prefetcher(iter(range(3)), Copier(torch.device("cpu")), depth=2)
+            assert _prefetch_threads() == before + 1 and [batch for batch, _ in ahead] == [0, 1, 2]
+            ahead.close()
+        finally:
+            torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize(
