@@ -23,6 +23,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from framework.data.stream_loader import StreamLoader
 from framework.data.streams import as_stream
 from framework.errors import ConfigError
+from framework.process.environment import cores_per_rank
 
 
 class EvalShardSampler(Sampler[int]):
@@ -151,6 +152,14 @@ class Prefetcher:
     starts each copy (`copy`) and the consumer waits for it (`ready`), so on CUDA copies overlap
     compute. Yields (batch, snapshot) pairs: `snapshot()` is taken right after that batch was
     pulled, so the consumer knows the loader position that matches what it has really consumed.
+
+    `background`: whether a thread pulls ahead. By default it does where it can run beside the
+    step: when batches go to an accelerator (the step's kernels run there while the host pulls),
+    or when this process has a CPU core its compute threads leave free (`cores_per_rank` over
+    torch's intra-op threads). Otherwise each batch is pulled when the step asks for it: a thread
+    could only take turns with the step's compute on the same cores, and on two cores the turns
+    cost more than they hide. A loader that waits on I/O or decodes heavily overlaps that with
+    `num_workers` (worker processes) instead.
     """
 
     def __init__(
@@ -159,6 +168,7 @@ class Prefetcher:
         transfer: Callable[[Any], Any],
         depth: int = 2,
         snapshot: Callable[[], Any] | None = None,
+        background: bool | None = None,
     ):
         self._source, self._snapshot = source, snapshot
         self._transfer = getattr(transfer, "copy", transfer)
@@ -168,7 +178,9 @@ class Prefetcher:
         self._slots = threading.Semaphore(max(1, depth))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        if depth > 0:
+        if background is None:
+            background = _has_room_beside_the_step(transfer)
+        if depth > 0 and background:
             self._thread = threading.Thread(target=self._fill, name="hydraspeed-prefetch", daemon=True)
             self._thread.start()
 
@@ -213,6 +225,11 @@ class Prefetcher:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+
+
+def _has_room_beside_the_step(transfer: Any) -> bool:
+    device = getattr(transfer, "device", None)
+    return (device is not None and device.type != "cpu") or cores_per_rank() > torch.get_num_threads()
 
 
 class BatchIterator:

@@ -41,6 +41,16 @@ def env_local_world_size() -> int:
     return env_world_size()
 
 
+def cores_per_rank() -> int:
+    """The CPU cores this process has to itself: those it may run on, shared with the other ranks
+    of its job on this machine (`env_local_world_size`); at least one."""
+    try:
+        available = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        available = os.cpu_count() or 1
+    return max(1, available // max(1, env_local_world_size()))
+
+
 def free_port() -> int:
     """A TCP port that was free a moment ago on this machine."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
