@@ -19,10 +19,11 @@ Which losses count items: `loss=model` (labels != -100; shifted by one for a cau
 loss is, unless the batch gives Hugging Face's pre-shifted `shift_labels`), a loss function with an `ignore_index` (`torch.nn.CrossEntropyLoss`, `NLLLoss`,
 the framework's `LMLoss`) and integer labels, and any loss with `reduction == "sum"` (items:
 labels != -100 for integer labels, else samples). Other losses average over samples, and every
-training micro-batch holds the same number of samples, so they need no weight. The counts are
-device tensors all-reduced without a host sync, and without waiting: the all-reduce is started
-when the step's micro-batches are known and awaited after the first forward pass, when the
-first weight is needed (measured by `benchmarks.exactness`).
+training micro-batch holds the same number of samples, so they need no weight; nor does one
+micro-batch per step on one data-parallel rank (its own mean is the global batch's). The counts
+are device tensors all-reduced without a host sync and without waiting: the all-reduce is
+started when the step's micro-batches are known and awaited after the first forward pass, when
+the first weight is needed (measured by `benchmarks.exactness`).
 """
 
 from __future__ import annotations
@@ -141,6 +142,8 @@ def window_weights(
     and on the CPU (gloo) each costs a step about as much as the counting it serves. Collective:
     every rank calls it at the same point with the same number of steps."""
     ranks, copies = mesh.dp_size * mesh.sp_size, mesh.tp_size  # whose losses add up; who holds an item
+    if ranks == 1 and reduction_of(loss) == "mean" and all(len(step) == 1 for step in steps):
+        return None  # one micro-batch on one rank: its mean is the global batch's (a weight of 1)
     locals_: list[torch.Tensor] = []
     for micro_batches in steps:
         if mesh.sp_size > 1:

@@ -189,15 +189,23 @@ def test_steps_counted_in_one_window_weigh_as_each_counted_alone():
     steps = [
         [(None, labels[:1]), (None, labels[1:2])],
         [(None, labels[2:]), (None, labels[:1])],
-        [(None, labels[1:2])],
+        [(None, labels[1:2])] * 2,
     ]
     one = Mesh(world_size=1, rank=0)
     window = window_weights(steps, LMLoss(), None, "labels", one)
-    assert window is not None and [len(w) for w in window] == [2, 2, 1]
+    assert window is not None and [len(w) for w in window] == [2, 2, 2]
     for together, step in zip(window, steps):
         alone = step_weights(step, LMLoss(), None, "labels", one)
         assert alone is not None and [w.item() for w in together] == [w.item() for w in alone]
     assert window_weights(steps, torch.nn.MSELoss(), None, "labels", one) is None  # no counts: no weights
+    # one micro-batch per step on one rank: its own mean is the global batch's, nothing to count
+    assert window_weights([[(None, labels[:1])]] * 2, LMLoss(), None, "labels", one) is None
+    summed = window_weights(
+        [[(None, labels[:1])]], torch.nn.CrossEntropyLoss(reduction="sum"), None, "labels", one
+    )
+    assert summed is not None and summed[0][0].item() == pytest.approx(
+        1 / 2
+    )  # a sum still divides by its items
 
 
 # ---------------------------------------------------------------------------------------- edges
