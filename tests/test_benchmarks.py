@@ -13,7 +13,15 @@ pytestmark = pytest.mark.timeout(600)
 
 EXPECTED_KEYS = {
     "overhead": {"zero_stage", "processes", "raw_ms", "fit_ms", "ratio_fit_over_raw"},
-    "exactness": {"mechanism", "processes", "with_ms", "without_ms", "ratio_with_over_without"},
+    "exactness": {
+        "mechanism",
+        "processes",
+        "with_ms",
+        "without_ms",
+        "ratio_with_over_without",
+        "with_cpu_ms",
+        "without_cpu_ms",
+    },
     "stalls": {"compute_ms", "data_ms", "naive_over_max", "fit_over_max"},
     "first_step": {"raw_s", "train_py_s", "ratio"},
     "memory": {

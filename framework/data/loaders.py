@@ -145,6 +145,10 @@ class _Failure:
         self.exc = exc
 
 
+# Inline pulls a prefetcher times before it decides whether a thread would hide waits.
+WATCH_PULLS = 8
+
+
 class Prefetcher:
     """Pull batches from `source` in a background thread, `depth` ahead, moved with `transfer`.
 
@@ -155,11 +159,12 @@ class Prefetcher:
 
     `background`: whether a thread pulls ahead. By default it does where it can run beside the
     step: when batches go to an accelerator (the step's kernels run there while the host pulls),
-    or when this process has a CPU core its compute threads leave free (`cores_per_rank` over
-    torch's intra-op threads). Otherwise each batch is pulled when the step asks for it: a thread
-    could only take turns with the step's compute on the same cores, and on two cores the turns
-    cost more than they hide. A loader that waits on I/O or decodes heavily overlaps that with
-    `num_workers` (worker processes) instead.
+    or when this process has a CPU core to itself beyond the first (`cores_per_rank`). A CPU
+    rank with one core pulls each batch when the step asks for it, as long as pulling is work
+    for that core: a thread could only take turns with the step there (on 2 processes x 2 cores
+    the turns cost ~0.7 ms of CPU per step). If pulling waits instead (on files, the network,
+    loader worker processes: more than half of the first `WATCH_PULLS` pulls' time spent off
+    the CPU), a thread takes over from then on and the waits overlap the step.
     """
 
     def __init__(
@@ -178,11 +183,30 @@ class Prefetcher:
         self._slots = threading.Semaphore(max(1, depth))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        if background is None:
-            background = _has_room_beside_the_step(transfer)
-        if depth > 0 and background:
-            self._thread = threading.Thread(target=self._fill, name="hydraspeed-prefetch", daemon=True)
-            self._thread.start()
+        self._watch: list[float] | None = None  # pulls so far, their wall and CPU seconds (inline)
+        if depth > 0 and background is None and not _has_room_beside_the_step(transfer):
+            self._watch = [0, 0.0, 0.0]
+        elif depth > 0 and background is not False:
+            self._start()
+
+    def _start(self) -> None:
+        self._thread = threading.Thread(target=self._fill, name="hydraspeed-prefetch", daemon=True)
+        self._thread.start()
+
+    def _pull_watched(self) -> tuple[Any, Any]:
+        """Pull inline; after `WATCH_PULLS` pulls, hand over to a thread if they mostly waited."""
+        assert self._watch is not None
+        wall, cpu = time.perf_counter(), time.thread_time()
+        item = self._pull()
+        watch = self._watch
+        watch[0] += 1
+        watch[1] += time.perf_counter() - wall
+        watch[2] += time.thread_time() - cpu
+        if watch[0] >= WATCH_PULLS:
+            self._watch = None
+            if watch[1] - watch[2] > watch[1] / 2:
+                self._start()
+        return item
 
     def _pull(self) -> tuple[Any, Any]:
         batch = next(self._source)
@@ -207,8 +231,8 @@ class Prefetcher:
         return self
 
     def __next__(self) -> tuple[Any, Any]:
-        if self._thread is None:  # depth 0: synchronous
-            item = self._pull()
+        if self._thread is None:  # inline: depth 0, or no core for a thread
+            item = self._pull() if self._watch is None else self._pull_watched()
         else:
             item = self._queue.get()
             if item is _END:
@@ -229,7 +253,7 @@ class Prefetcher:
 
 def _has_room_beside_the_step(transfer: Any) -> bool:
     device = getattr(transfer, "device", None)
-    return (device is not None and device.type != "cpu") or cores_per_rank() > torch.get_num_threads()
+    return (device is not None and device.type != "cpu") or cores_per_rank() > 1
 
 
 class BatchIterator:

@@ -305,25 +305,34 @@ def _prefetch_threads() -> int:
     return sum(t.name == "hydraspeed-prefetch" for t in threading.enumerate())
 
 
-def test_a_cpu_rank_without_a_core_to_spare_pulls_each_batch_when_the_step_asks(monkeypatch):
+def test_a_cpu_rank_without_a_core_to_spare_pulls_inline_unless_pulling_waits(monkeypatch):
     import os
+    import time
 
+    from framework.data.loaders import WATCH_PULLS
     from framework.data.transfer import Copier
 
-    cores, threads = len(os.sched_getaffinity(0)), torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores))  # as many ranks here as cores
-    before = _prefetch_threads()
-    inline = Prefetcher(iter(range(3)), Copier(torch.device("cpu")), depth=2)
-    assert _prefetch_threads() == before and [batch for batch, _ in inline] == [0, 1, 2]
+    before, cpu = _prefetch_threads(), Copier(torch.device("cpu"))
+    inline = Prefetcher(iter(range(3 * WATCH_PULLS)), cpu, depth=2)  # pulling is work: no thread
+    assert [batch for batch, _ in inline] == list(range(3 * WATCH_PULLS)) and _prefetch_threads() == before
+
+    def waiting():  # a loader that waits (on files, workers): a thread takes over and hides it
+        for i in range(3 * WATCH_PULLS):
+            time.sleep(0.005)
+            yield i
+
+    handed = Prefetcher(waiting(), cpu, depth=2)
+    got = [next(handed)[0] for _ in range(WATCH_PULLS)]
+    assert _prefetch_threads() == before + 1
+    assert got + [batch for batch, _ in handed] == list(range(3 * WATCH_PULLS))  # nothing lost or repeated
+    handed.close()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    if cores > 1:  # one rank whose compute leaves a core free: a thread pulls ahead
-        torch.set_num_threads(cores - 1)
-        try:
-            ahead = Prefetcher(iter(range(3)), Copier(torch.device("cpu")), depth=2)
-            assert _prefetch_threads() == before + 1 and [batch for batch, _ in ahead] == [0, 1, 2]
-            ahead.close()
-        finally:
-            torch.set_num_threads(threads)
+    if cores > 1:  # one rank with cores to spare: a thread pulls ahead from the start
+        ahead = Prefetcher(iter(range(3)), cpu, depth=2)
+        assert _prefetch_threads() == before + 1 and [batch for batch, _ in ahead] == [0, 1, 2]
+        ahead.close()
 
 
 @pytest.mark.parametrize(
