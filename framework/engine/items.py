@@ -85,18 +85,44 @@ def _items_of(batch: Any, loss: Any, module: Any, label_key: str) -> torch.Tenso
     return counted_items(split(batch, label_key)[2], loss, module)
 
 
-class _Totals:
-    """The global item counts of one or more optimizer steps, all-reduced in one collective that
-    is started at once and awaited when a count is first needed."""
+class _Window:
+    """The weights of one or more consecutive optimizer steps, from one all-reduce of their global
+    item counts that is started at once and awaited when a weight is first needed; then every
+    step's weights are computed together (a handful of tensor operations for the whole window)."""
 
-    def __init__(self, totals: torch.Tensor, work: Any):
-        self._totals, self._work = totals, work
+    def __init__(
+        self,
+        locals_: list[torch.Tensor],
+        totals: torch.Tensor,
+        work: Any,
+        copies: int,
+        ranks: int,
+        summed: bool,
+    ):
+        self._locals, self._totals, self._work = locals_, totals, work
+        self._copies, self._ranks, self._summed = copies, ranks, summed
+        self._weights: list[list[torch.Tensor]] | None = None
 
-    def wait(self) -> torch.Tensor:
+    def settle(self) -> None:
+        """Finish the all-reduce."""
         if self._work is not None:
             self._work.wait()
             self._work = None
-        return self._totals
+
+    def weights(self, step: int) -> list[torch.Tensor]:
+        """The micro-batch weights of the window's `step`-th optimizer step."""
+        if self._weights is None:
+            self.settle()
+            device = self._locals[0].device
+            sizes = [len(local) for local in self._locals]
+            lengths = torch.tensor(sizes, dtype=torch.float64, device=device)
+            totals = (self._totals.to(device) / self._copies).clamp_min(1.0)
+            scales = (self._ranks * lengths / totals).repeat_interleave(torch.tensor(sizes, device=device))
+            flat = scales if self._summed else torch.cat(self._locals) * scales
+            every = list(flat.to(torch.float32).unbind())
+            starts = [sum(sizes[:i]) for i in range(len(sizes))]
+            self._weights = [every[a : a + n] for a, n in zip(starts, sizes)]
+        return self._weights[step]
 
 
 class StepWeights(Sequence[torch.Tensor]):
@@ -104,28 +130,18 @@ class StepWeights(Sequence[torch.Tensor]):
     flight: the first weight read waits for it, so the all-reduce runs while the first
     micro-batch's forward pass does and no rank stalls in it before its step begins."""
 
-    def __init__(
-        self, local: torch.Tensor, totals: _Totals, index: int, copies: int, ranks: int, summed: bool
-    ):
-        self._local, self._totals, self._index = local, totals, index
-        self._copies, self._ranks, self._summed = copies, ranks, summed
-        self._weights: list[torch.Tensor] | None = None
+    def __init__(self, window: _Window, step: int, size: int):
+        self._window, self._step, self._size = window, step, size
 
     def __len__(self) -> int:
-        return int(self._local.shape[0])
+        return self._size
 
     def __getitem__(self, i: Any) -> Any:
-        if self._weights is None:
-            total = self._totals.wait()[self._index].to(self._local.device)
-            total = (total / self._copies).clamp_min(1.0)
-            scale = self._ranks * len(self) / total
-            weights = scale.expand(len(self)) if self._summed else self._local * scale
-            self._weights = [w.to(torch.float32) for w in weights.unbind()]
-        return self._weights[i]
+        return self._window.weights(self._step)[i]
 
     def settle(self) -> None:
         """Finish the count's all-reduce (a step the epoch's end left unused still took part in it)."""
-        self._totals.wait()
+        self._window.settle()
 
 
 def window_weights(
@@ -156,8 +172,8 @@ def window_weights(
     work = None
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         work = torch.distributed.all_reduce(totals, async_op=True)
-    shared, summed = _Totals(totals, work), reduction_of(loss) == "sum"
-    return [StepWeights(local, shared, i, copies, ranks, summed) for i, local in enumerate(locals_)]
+    window = _Window(locals_, totals, work, copies, ranks, summed=reduction_of(loss) == "sum")
+    return [StepWeights(window, i, len(local)) for i, local in enumerate(locals_)]
 
 
 def step_weights(
