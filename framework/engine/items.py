@@ -119,9 +119,7 @@ class _Window:
             totals = (self._totals.to(device) / self._copies).clamp_min(1.0)
             scales = (self._ranks * lengths / totals).repeat_interleave(torch.tensor(sizes, device=device))
             flat = scales if self._summed else torch.cat(self._locals) * scales
-            every = list(flat.to(torch.float32).unbind())
-            starts = [sum(sizes[:i]) for i in range(len(sizes))]
-            self._weights = [every[a : a + n] for a, n in zip(starts, sizes)]
+            self._weights = [list(part.unbind()) for part in flat.to(torch.float32).split(sizes)]
         return self._weights[step]
 
 
