@@ -63,8 +63,7 @@ class Engine:
         train_step: a custom training step; `eval_step`, `predict_step` likewise (see `framework.engine.steps`).
         callbacks: `Callback`s (loggers are callbacks too).
         seed: seed of the data shuffling.
-        prefetch: batches kept ready on the device ahead of the step (by a thread where one
-            can run beside the step: `framework.data.loaders.Prefetcher`).
+        prefetch: batches kept ready ahead of the step (see `framework.data.loaders.Prefetcher`).
         runtime: a `Runtime` made earlier (to build the model inside its ZeRO-3 context).
         process: the job's `ProcessContext` (`ProcessContext.start(...)`), for several engines in
             one job; without one the engine makes its own when it first needs it, or joins the
