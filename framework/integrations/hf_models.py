@@ -45,9 +45,10 @@ def sequence_classification(
     if num_labels is not None:
         kwargs["num_labels"] = int(num_labels)
     if path is not None:
-        mismatched = {"ignore_mismatched_sizes": True} if num_labels is not None else {}
+        if num_labels is not None:
+            kwargs["ignore_mismatched_sizes"] = True  # a directory's model with another number: a new head
         return AutoModelForSequenceClassification.from_pretrained(
-            local_model_dir(path), local_files_only=True, **mismatched, **kwargs
+            local_model_dir(path), local_files_only=True, **kwargs
         )
     if config is None:
         raise ValueError("hf_sequence_classification needs model.path=DIR or model.config")
