@@ -87,6 +87,8 @@ class ConsoleLogger(Callback):
                 else f"a stream, up to {state.max_steps} optimizer steps"
             )
         )
+        for note in info.notes:
+            self.console.print(f"note: {note}", markup=False, highlight=False)
 
     def on_epoch_start(self, state: LoopState) -> None:
         """Open this epoch's progress bar."""
