@@ -51,8 +51,8 @@ def _throughput_summary(rates: dict[str, list[float]], state: LoopState) -> str:
             f", MFU {100 * mean('mfu'):.1f}% of {info.peak_flops / 1e12:,.2f} TFLOP/s per device "
             f"({info.flops_per_step / 1e9:,.2f} GFLOP per step and rank; {info.flops_source})"
         )
-    elif info.flops_per_step and not info.peak_flops:
-        text += ", MFU with trainer.peak_tflops (no known peak for this device)"
+    elif info.flops_per_step and not info.peak_flops and info.device_type != "cpu":
+        text += ", MFU with trainer.peak_tflops (no known peak for this device)"  # an accelerator we lack a table for
     return text + " (mean over logging points)"
 
 

@@ -456,3 +456,14 @@ def test_a_warm_up_as_long_as_the_run_is_said_at_start_and_the_final_line_names_
     assert "note: max_steps=5 is not reached: 1 epoch(s) of 3 optimizer steps" in out
     assert e.state.stop_reason == "after trainer.epochs=1; trainer.max_steps=5 not reached"
     assert "(after trainer.epochs=1; trainer.max_steps=5 not reached)" in out
+
+
+def test_a_first_python_api_fit_warns_nothing_and_prints_no_mfu_hint_on_a_cpu(capsys):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # the suite's own filters off: every warning is seen
+        engine(stage=3).fit(DATA.train, epochs=1, batch_size=BATCH, steps_per_epoch=2)
+    hidden = (DeprecationWarning, PendingDeprecationWarning)  # Python shows these only in __main__
+    assert [str(w.message) for w in caught if not issubclass(w.category, hidden)] == []
+    assert "peak_tflops" not in capsys.readouterr().out
