@@ -160,7 +160,8 @@ def _fit_callbacks(
 ) -> CallbackList:
     """This fit's callbacks: the engine's, the call's, then the checkpoint manager (last, so a
     checkpoint includes this step's records); their `Control`."""
-    events = CallbackList([*host.callbacks.callbacks, *extra])
+    main = host.runtime.process.is_main  # loggers write from rank 0 alone, from the API as from the CLI
+    events = CallbackList(c for c in [*host.callbacks.callbacks, *extra] if main or not c.rank_zero_only)
     shown = any(isinstance(c, ConsoleLogger) for c in events.callbacks)
     if cfg.progress and host.runtime.process.is_main and not shown:
         events.extend(

@@ -60,6 +60,8 @@ class ConsoleLogger(Callback):
     """A live progress bar per epoch on a terminal (loss, lr, samples/s, ETA); plain periodic lines
     when stdout is not a terminal (CI, Slurm logs); a summary table at the end."""
 
+    rank_zero_only = True
+
     def __init__(self, output_dir: str | None = None, force_terminal: bool | None = None):
         from rich.console import Console
 
@@ -194,6 +196,8 @@ class MetricsFile(Callback):
     crash loses nothing that was logged). A run resumed from a checkpoint keeps the records up
     to that checkpoint's step and continues the file, so it reads as one uninterrupted run."""
 
+    rank_zero_only = True
+
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -252,6 +256,8 @@ class WandbLogger(Callback):
 
     The CLI fills `output_dir` (the run dir lives inside it), `run_config` (the resolved config)
     and, in a sweep, `group` (the sweep) and `name` (the job's overrides)."""
+
+    rank_zero_only = True
 
     def __init__(
         self,
