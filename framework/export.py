@@ -27,12 +27,13 @@ from pathlib import Path
 
 import torch
 
-from framework.backend import checkpoint_files, expert_parallel
+from framework.backend import checkpoint_files, deepspeed_globals, expert_parallel
 from framework.backend.weights import load_weights, save_weights
 from framework.checkpoint import safety, store
 from framework.errors import CheckpointError, ConfigError
 from framework.integrations import hf
 from framework.integrations.hf import HF_CONFIG, HF_PREFIX, TOKENIZER_DIR
+from framework.process.environment import choose_accelerator
 
 
 def fp32_state_dict(ckpt: str | Path) -> dict[str, torch.Tensor]:
@@ -212,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         "--tokenizer", help="with --hf: the tokenizer dir to copy (default: the one the run kept)"
     )
     args = parser.parse_args(argv)
+    deepspeed_globals.quiet(accelerator=choose_accelerator("auto"))  # before DeepSpeed's import says which
     try:
         if args.hf or (not Path(args.out).suffix and _has_hf_config(args.checkpoint)):
             out = save_hf_directory(args.checkpoint, args.out, args.tokenizer)

@@ -173,3 +173,54 @@ def test_readme_links_point_at_files():
     assert local, "the README links into docs/"
     missing = [t for t in local if not (ROOT / t).exists()]
     assert not missing, f"README.md links to files that do not exist: {missing}"
+
+
+# ------------------------------------------------------------------------- documented commands
+
+SHELL = ("bash", "sh", "shell", "console", "")
+
+
+def train_commands(path: Path) -> list[tuple[str, list[str]]]:
+    """(page:line, overrides) of each `train.py` command in the page's shell blocks: continued
+    lines joined, comments dropped, a sweep's comma lists taken at their first value; a command
+    with `...` (a shortened one) is left out."""
+    import shlex
+
+    found = []
+    for block in blocks_of(path):
+        if block.language not in SHELL:
+            continue
+        text = block.source.replace("\\\n", " ")
+        for offset, line in enumerate(text.splitlines()):
+            words = shlex.split(line.removeprefix("$ "), comments=True) if "train.py" in line else []
+            if "train.py" not in words or "..." in words:
+                continue
+            args = words[words.index("train.py") + 1 :]
+            if "--help" in args:
+                continue
+            overrides = [_first_of_sweep(a) for a in args if not a.startswith("-")]
+            found.append((f"{block.where}+{offset}", overrides))
+    return found
+
+
+def _first_of_sweep(override: str) -> str:
+    key, _, value = override.partition("=")
+    if "," in value and not value.startswith(("[", "{", "'", '"')):
+        value = value.split(",")[0]
+    return f"{key}={value}" if _ else override
+
+
+COMMANDS = [c for page in PAGES for c in train_commands(page)]
+
+
+def test_the_docs_have_train_commands():
+    assert len(COMMANDS) > 40
+
+
+@pytest.mark.parametrize("where,overrides", COMMANDS, ids=[c[0] for c in COMMANDS])
+def test_every_documented_train_command_composes_and_passes_the_schema(compose, where, overrides):
+    from framework.cli.config import check_override
+
+    for item in overrides:
+        check_override(item)
+    compose([o for o in overrides if not o.startswith("hydra")])

@@ -74,7 +74,7 @@ EXTRA = {
     "scheduler": "a learning-rate schedule factory stepped once per optimizer step",
     "loss": "`loss(outputs, labels) -> scalar`, or `model` for the loss the model computes itself",
     "metrics": "torchmetrics-style metrics by name, synced across ranks",
-    "logger": "loggers by name (console, wandb); `metrics.jsonl` is always written",
+    "logger": "loggers by name (console, wandb, tensorboard, mlflow; several as a list); `metrics.jsonl` is always written",
     "callbacks": "extra callbacks by name (early_stopping, keep_best, lr_monitor)",
     "trainer.epochs": "passes over the training set",
     "trainer.seed": "seed of the weights' initialisation and of the data shuffling",

@@ -51,7 +51,6 @@ def quiet(verbose: bool = False, accelerator: str | None = None) -> None:
     warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed.*")
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"deepspeed.*")
     warnings.filterwarnings("ignore", category=UserWarning, module=r"deepspeed.*")
-    warnings.filterwarnings("ignore", message=".*set_vital.*")
     # DeepSpeed's pipeline broadcasts tied weights through autograd; torch warns on every backward.
     warnings.filterwarnings("ignore", message=".*autograd kernel was not registered.*")
 

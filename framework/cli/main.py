@@ -62,6 +62,12 @@ def prepare_argv(argv: list[str] | None = None, conf_dir: Path | None = None) ->
     if not view.may_set_run_mode():
         _skip_mode_probe()
     try:
+        for extra in view.extra_dirs:
+            if not Path(extra.removeprefix("file://")).is_dir():
+                raise ConfigError(
+                    f"--config-dir {extra.removeprefix('file://')}: no such directory (leave -cd out to use "
+                    "the framework's own configs, or make that directory with yours)"
+                )
         for item in view.overrides:
             check_override(item)
             check_group_choice(item, view)

@@ -13,6 +13,7 @@ import math
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sized
 from typing import Any
 
@@ -78,6 +79,9 @@ def train_loader(
     sampler: DistributedSampler = DistributedSampler(
         dataset, num_replicas=dp_size, rank=dp_rank, shuffle=shuffle, seed=seed
     )
+    # torchdata's loader calls torch.set_vital on each iterator, which torch has deprecated: a
+    # warning on every run that no user can act on (torchdata's to mend, not ours or theirs).
+    warnings.filterwarnings("ignore", message=".*'set_vital' is deprecated.*", category=UserWarning)
     return StatefulDataLoader(
         dataset,
         batch_size=micro_batch_size,

@@ -43,6 +43,7 @@ class Host(Protocol):
     seed: int
     prefetch: int
     total_steps: int | None
+    scheduler_spec: Callable[..., Any] | None
     loss: Any
     label_key: str
     output_key: str | None

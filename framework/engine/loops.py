@@ -26,7 +26,7 @@ from framework.observe.callbacks import Callback, CallbackList, Control, Event
 from framework.observe.loggers import ConsoleLogger
 from framework.observe.state import LoopState
 from framework.observe.throughput import Speedometer
-from framework.plan.run_plan import Budget, RunPlan, step_budget, stream_budget
+from framework.plan.run_plan import Budget, RunPlan, step_budget, stream_budget, warmup_note
 
 
 def plan_fit(host: Host, train_data: Any, cfg: FitConfig) -> tuple[RunPlan, Any]:
@@ -130,6 +130,11 @@ def _epochs(
         events.fire(Event.EPOCH_END, st)
         if st.stop_training:
             break
+    if not st.stop_reason:  # the epochs ended it: the final line says so, and what it left unreached
+        unreached = st.max_steps is not None and st.global_step < st.max_steps
+        st.stop_reason = f"after trainer.epochs={cfg.epochs}" + (
+            f"; trainer.max_steps={st.max_steps} not reached" if unreached else ""
+        )
 
 
 def _start_run(host: Host, cfg: FitConfig, plan: RunPlan) -> None:
@@ -146,6 +151,8 @@ def _start_run(host: Host, cfg: FitConfig, plan: RunPlan) -> None:
     st.info.parameters = runtime.parameters
     st.info.strategy, st.info.world_size = runtime.strategy.describe(), runtime.world_size
     st.info.device_type, st.info.deepspeed_config = runtime.device.type, dict(runtime.config or {})
+    warmup = warmup_note(host.scheduler_spec, plan.budget.total_steps) if host.scheduler_spec else None
+    st.info.notes = [*plan.budget.notes, *([warmup] if warmup else [])]
 
 
 def _fit_callbacks(
@@ -153,7 +160,8 @@ def _fit_callbacks(
 ) -> CallbackList:
     """This fit's callbacks: the engine's, the call's, then the checkpoint manager (last, so a
     checkpoint includes this step's records); their `Control`."""
-    events = CallbackList([*host.callbacks.callbacks, *extra])
+    main = host.runtime.process.is_main  # loggers write from rank 0 alone, from the API as from the CLI
+    events = CallbackList(c for c in [*host.callbacks.callbacks, *extra] if main or not c.rank_zero_only)
     shown = any(isinstance(c, ConsoleLogger) for c in events.callbacks)
     if cfg.progress and host.runtime.process.is_main and not shown:
         events.extend(

@@ -11,7 +11,10 @@ own ZeRO-3 path loads and initialises it (its `HfDeepSpeedConfig` is active whil
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+from framework.errors import ConfigError
 
 BUILDS_HF_MODELS = "builds_hf_model"  # the attribute that marks a factory of transformers models
 
@@ -23,7 +26,7 @@ def causal_lm(path: str | None = None, config: Any = None, **kwargs: Any) -> Any
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if path is not None:
-        return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs)
+        return AutoModelForCausalLM.from_pretrained(local_model_dir(path), local_files_only=True, **kwargs)
     if config is None:
         raise ValueError("hf_causal_lm needs model.path=DIR (a save_pretrained directory) or model.config")
     if isinstance(config, dict) or hasattr(config, "items") and not hasattr(config, "to_dict"):
@@ -42,9 +45,10 @@ def sequence_classification(
     if num_labels is not None:
         kwargs["num_labels"] = int(num_labels)
     if path is not None:
-        mismatched = {"ignore_mismatched_sizes": True} if num_labels is not None else {}
+        if num_labels is not None:
+            kwargs["ignore_mismatched_sizes"] = True  # a directory's model with another number: a new head
         return AutoModelForSequenceClassification.from_pretrained(
-            path, local_files_only=True, **mismatched, **kwargs
+            local_model_dir(path), local_files_only=True, **kwargs
         )
     if config is None:
         raise ValueError("hf_sequence_classification needs model.path=DIR or model.config")
@@ -54,6 +58,21 @@ def sequence_classification(
     if "num_labels" in kwargs:
         config.num_labels = kwargs.pop("num_labels")
     return AutoModelForSequenceClassification.from_config(config, **kwargs)
+
+
+def local_model_dir(path: str | Path, key: str = "model.path") -> str:
+    """`path` as a local `save_pretrained` directory, or a one-line error naming it and what it
+    should hold. Checked before transformers sees it: a name that is not a directory is a hub id to
+    transformers, which then retries the network for half a minute (nothing here downloads)."""
+    found = Path(path).expanduser()
+    if not found.is_dir():
+        raise ConfigError(
+            f"{key}={path}: no such directory (a local save_pretrained directory holding config.json; "
+            "nothing is downloaded from the hub)"
+        )
+    if not (found / "config.json").is_file():
+        raise ConfigError(f"{key}={path}: no config.json in it (a save_pretrained directory is expected)")
+    return str(found)
 
 
 for _factory in (causal_lm, sequence_classification):

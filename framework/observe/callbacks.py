@@ -97,7 +97,10 @@ def _takes_control(owner: type, name: str) -> bool:
 
 
 class Callback:
-    """Base class: override the `on_<event>` methods you need; the rest do nothing."""
+    """Base class: override the `on_<event>` methods you need; the rest do nothing. A callback
+    with `rank_zero_only = True` (the loggers) runs on rank 0 alone; others run on every rank."""
+
+    rank_zero_only = False
 
     def on_event(self, event: Event, state: LoopState, control: Control | None = None) -> None:
         """Dispatch `event` to `on_<event>` (with `control` when the handler takes it)."""

@@ -51,14 +51,16 @@ def _throughput_summary(rates: dict[str, list[float]], state: LoopState) -> str:
             f", MFU {100 * mean('mfu'):.1f}% of {info.peak_flops / 1e12:,.2f} TFLOP/s per device "
             f"({info.flops_per_step / 1e9:,.2f} GFLOP per step and rank; {info.flops_source})"
         )
-    elif info.flops_per_step and not info.peak_flops:
-        text += ", MFU with trainer.peak_tflops (no known peak for this device)"
+    elif info.flops_per_step and not info.peak_flops and info.device_type != "cpu":
+        text += ", MFU with trainer.peak_tflops (no known peak for this device)"  # an accelerator we lack a table for
     return text + " (mean over logging points)"
 
 
 class ConsoleLogger(Callback):
     """A live progress bar per epoch on a terminal (loss, lr, samples/s, ETA); plain periodic lines
     when stdout is not a terminal (CI, Slurm logs); a summary table at the end."""
+
+    rank_zero_only = True
 
     def __init__(self, output_dir: str | None = None, force_terminal: bool | None = None):
         from rich.console import Console
@@ -87,6 +89,8 @@ class ConsoleLogger(Callback):
                 else f"a stream, up to {state.max_steps} optimizer steps"
             )
         )
+        for note in info.notes:
+            self.console.print(f"note: {note}", markup=False, highlight=False)
 
     def on_epoch_start(self, state: LoopState) -> None:
         """Open this epoch's progress bar."""
@@ -192,6 +196,8 @@ class MetricsFile(Callback):
     crash loses nothing that was logged). A run resumed from a checkpoint keeps the records up
     to that checkpoint's step and continues the file, so it reads as one uninterrupted run."""
 
+    rank_zero_only = True
+
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -250,6 +256,8 @@ class WandbLogger(Callback):
 
     The CLI fills `output_dir` (the run dir lives inside it), `run_config` (the resolved config)
     and, in a sweep, `group` (the sweep) and `name` (the job's overrides)."""
+
+    rank_zero_only = True
 
     def __init__(
         self,

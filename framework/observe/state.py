@@ -29,6 +29,7 @@ class RunInfo:
     flops_per_step: float | None = None  # model FLOPs per optimizer step and rank (throughput.py)
     flops_source: str = ""  # how they were counted
     peak_flops: float | None = None  # one device's peak FLOP/s the MFU is relative to
+    notes: list[str] = field(default_factory=list)  # limits that disagree, said once at the start
 
 
 class LossMeter:

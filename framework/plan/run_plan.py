@@ -166,6 +166,19 @@ class Budget:
     steps_per_epoch: int | None  # optimizer steps per epoch (None: a stream's, until it ends)
     total_steps: int  # optimizer steps of the whole run (what a schedule decays over)
     max_steps: int | None = None
+    notes: tuple[str, ...] = ()  # limits that disagree: which one wins, and the key to change
+
+
+def _unreached_max_steps(epochs: int, steps: int, max_steps: int | None) -> tuple[str, ...]:
+    """The line for a `max_steps` that the epochs end before (empty when they agree)."""
+    if not max_steps or max_steps <= epochs * steps:
+        return ()
+    need = math.ceil(max_steps / steps)
+    return (
+        f"max_steps={max_steps} is not reached: {epochs} epoch(s) of {steps} optimizer steps end the run at "
+        f"{epochs * steps}, and the schedule is planned for {epochs * steps} (epochs={need} reaches it: "
+        f"trainer.epochs={need})",
+    )
 
 
 def step_budget(
@@ -194,7 +207,9 @@ def step_budget(
     total = epochs * steps
     if max_steps:
         total = min(total, max_steps)
-    return Budget(epochs, steps * acc, steps, total, max_steps)
+    return Budget(
+        epochs, steps * acc, steps, total, max_steps, _unreached_max_steps(epochs, steps, max_steps)
+    )
 
 
 def stream_budget(
@@ -209,7 +224,15 @@ def stream_budget(
         )
     total = min(max_steps or math.inf, epochs * (steps_per_epoch or math.inf))
     per = steps_per_epoch * layout.accumulation_steps if steps_per_epoch is not None else None
-    return Budget(epochs, per, steps_per_epoch, int(total), max_steps)
+    if steps_per_epoch is not None:
+        notes = _unreached_max_steps(epochs, steps_per_epoch, max_steps)
+    else:  # the passes' length is known only at their end: the final line says which limit ended it
+        notes = (
+            f"a stream: the run ends at max_steps={max_steps} or after {epochs} pass(es) over the data, "
+            "whichever comes first (trainer.epochs for more passes); the schedule is planned for "
+            f"{max_steps} steps",
+        )
+    return Budget(epochs, per, steps_per_epoch, int(total), max_steps, notes)
 
 
 @dataclass(frozen=True)
@@ -231,6 +254,18 @@ def takes_budget(factory: Callable[..., Any]) -> str | None:
     except (TypeError, ValueError):
         return None
     return next((name for name in BUDGET_PARAMETERS if name in params), None)
+
+
+def warmup_note(factory: Callable[..., Any], total_steps: int) -> str | None:
+    """The line for a schedule whose warm-up (`warmup_steps`, as the factory was given it) lasts
+    the whole run, so the learning rate never reaches its peak; None when it does."""
+    given = getattr(factory, "keywords", {}).get("warmup_steps")
+    if takes_budget(factory) is None or given is None or int(given) < total_steps:
+        return None
+    return (
+        f"scheduler.warmup_steps={given} is not shorter than the run's {total_steps} optimizer steps: the "
+        "learning rate never reaches its peak (lower scheduler.warmup_steps, or use scheduler.warmup_fraction)"
+    )
 
 
 def scheduler_for(factory: Callable[..., Any], total_steps: int) -> Callable[[Any], Any]:

@@ -163,6 +163,7 @@ def test_export_loads_strict_into_the_plain_model_with_the_same_predictions(tmp_
     out = tmp_path / "weights.safetensors"
     cli = run_cmd([sys.executable, "-m", "framework.export", str(tmp_path / "checkpoints"), str(out)])
     assert cli.returncode == 0, cli.stderr
+    assert (cli.stdout + cli.stderr).strip() == f"wrote {out}"  # one line: no DeepSpeed chatter
     model = MLP()
     model.load_state_dict(load_weights(out), strict=True)
     # the same predictions as the trained model in the run: its validation accuracy, recomputed

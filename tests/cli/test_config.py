@@ -266,3 +266,13 @@ def test_the_shipped_accuracy_equals_torchmetrics():
     restored = Accuracy()
     restored.load_state_dict(dict(ours.metric_state), strict=False)
     assert float(restored.compute()) == float(ours.compute())
+
+
+def test_a_config_dir_that_does_not_exist_is_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        prepare_argv([str(CONF.parent / "train.py"), "-cd", str(tmp_path / "conf"), "model=mlp"])
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"Error: --config-dir {tmp_path / 'conf'}: no such directory (leave -cd out to use the framework's "
+        "own configs, or make that directory with yours)"
+    )

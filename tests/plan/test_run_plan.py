@@ -417,3 +417,53 @@ def test_engine_fit_prints_progress_unless_told_not_to(capsys):
     assert "epoch 1/1" in shown or "step 3" in shown, shown[-500:]
     engine().fit(DATA.train, epochs=1, batch_size=BATCH, log_freq=3, progress=False)
     assert capsys.readouterr().out == ""
+
+
+# ----------------------------------------------------------------------------- limits that disagree
+
+
+def test_a_max_steps_the_epochs_end_before_is_named_with_the_key_that_reaches_it():
+    layout = layout_of(Strategy(), 8, 1)
+    budget = step_budget(layout, loader_batches=15, epochs=10, max_steps=200)
+    assert budget.total_steps == 150
+    (note,) = budget.notes
+    assert "max_steps=200 is not reached" in note and "150" in note and "trainer.epochs=14" in note
+    assert (
+        step_budget(layout, loader_batches=15, epochs=10, max_steps=100).notes == ()
+    )  # max_steps wins, as asked
+    assert step_budget(layout, loader_batches=15, epochs=10).notes == ()
+
+
+def test_a_stream_says_both_limits_and_what_the_schedule_is_planned_for():
+    from framework.plan.run_plan import stream_budget
+
+    (note,) = stream_budget(layout_of(Strategy(), 8, 1), epochs=10, max_steps=200).notes
+    assert "max_steps=200 or after 10 pass(es)" in note and "trainer.epochs" in note
+
+
+def test_a_warm_up_as_long_as_the_run_is_said_at_start_and_the_final_line_names_the_limit(capsys):
+    from framework.plan.run_plan import warmup_note
+
+    assert warmup_note(functools.partial(schedulers.constant, warmup_steps=2), 3) is None
+    e = Engine(
+        MLP(hidden=[16]), torch.nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1),
+        scheduler=functools.partial(schedulers.constant, warmup_steps=100),
+    )  # fmt: skip
+    data = torch.utils.data.TensorDataset(torch.randn(24, 64), torch.randint(0, 10, (24,)))
+    e.fit(data, epochs=1, batch_size=8, max_steps=5)
+    out = capsys.readouterr().out
+    assert "note: scheduler.warmup_steps=100 is not shorter than the run's 3 optimizer steps" in out
+    assert "note: max_steps=5 is not reached: 1 epoch(s) of 3 optimizer steps" in out
+    assert e.state.stop_reason == "after trainer.epochs=1; trainer.max_steps=5 not reached"
+    assert "(after trainer.epochs=1; trainer.max_steps=5 not reached)" in out
+
+
+def test_a_first_python_api_fit_warns_nothing_and_prints_no_mfu_hint_on_a_cpu(capsys):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # the suite's own filters off: every warning is seen
+        engine(stage=3).fit(DATA.train, epochs=1, batch_size=BATCH, steps_per_epoch=2)
+    hidden = (DeprecationWarning, PendingDeprecationWarning)  # Python shows these only in __main__
+    assert [str(w.message) for w in caught if not issubclass(w.category, hidden)] == []
+    assert "peak_tflops" not in capsys.readouterr().out

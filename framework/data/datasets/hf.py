@@ -12,6 +12,8 @@ a checkpoint like any other data.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +83,37 @@ def with_tokenizer(
     return out
 
 
+def load_local(
+    builder: str, data_files: Any, streaming: bool = False, key: str = "data.dataset.data_files"
+) -> Any:
+    """Local files through Hugging Face `datasets` (`builder`: text, json, csv, parquet), the
+    `train` split, without a progress bar and without the network: `datasets` otherwise sends a
+    download-count request to the hub for each load (and waits for it behind a dead proxy)."""
+    import datasets
+
+    names = [data_files] if isinstance(data_files, (str, Path)) else list(data_files)
+    missing = [str(f) for f in names if not Path(f).expanduser().is_file()]
+    if missing:
+        raise FileNotFoundError(f"{key}: no such file: {', '.join(missing)}")
+    datasets.disable_progress_bars()
+    paths = [str(Path(f).expanduser()) for f in names]
+    with _datasets_offline():
+        return datasets.load_dataset(builder, data_files=paths, split="train", streaming=streaming)
+
+
+@contextlib.contextmanager
+def _datasets_offline() -> Iterator[None]:
+    """`datasets` offline while the block runs (its module settings, read at each load)."""
+    from datasets import config
+
+    saved = config.HF_HUB_OFFLINE, config.HF_UPDATE_DOWNLOAD_COUNTS
+    config.HF_HUB_OFFLINE, config.HF_UPDATE_DOWNLOAD_COUNTS = True, False
+    try:
+        yield
+    finally:
+        config.HF_HUB_OFFLINE, config.HF_UPDATE_DOWNLOAD_COUNTS = saved
+
+
 def hf_text(
     data_files: Any,
     builder: str = "text",
@@ -93,14 +126,7 @@ def hf_text(
 ) -> TokenizedSplits:
     """Local text / JSON / CSV files (`builder`: text, json, csv) -> tokenized blocks of
     `block_size` tokens, split into train / validation with a fixed seed."""
-    import datasets
-
-    files = [data_files] if isinstance(data_files, str) else list(data_files)
-    missing = [f for f in files if not Path(f).expanduser().is_file()]
-    if missing:
-        raise FileNotFoundError(f"data.dataset.data_files: no such file: {', '.join(map(str, missing))}")
-    datasets.disable_progress_bars()
-    raw = datasets.load_dataset(builder, data_files=[str(Path(f).expanduser()) for f in files], split="train")
+    raw = load_local(builder, data_files)
     if text_column not in raw.column_names:
         raise ConfigError(
             f"data.dataset.text_column={text_column}: the files have columns {raw.column_names}; name one of them"
@@ -146,21 +172,13 @@ def hf_stream(
     tokens (`framework.data.packing`; `keep_documents_apart` for blocks whose documents do not
     attend to each other). Validation: `validation_files`, else every `val_every`-th document.
     Train with `trainer.max_steps` (a stream has no length)."""
-    import datasets
-
-    datasets.disable_progress_bars()
     tok = load_tokenizer(tokenizer)
     eos = getattr(tok, "eos_token_id", None)
     eos = eos if eos is not None else getattr(tok, "pad_token_id", None) or 0
     pad = getattr(tok, "pad_token_id", None) or 0
 
     def read(files: Any) -> Any:
-        paths = [files] if isinstance(files, str) else list(files)
-        missing = [f for f in paths if not Path(f).expanduser().is_file()]
-        if missing:
-            raise FileNotFoundError(f"data.dataset.data_files: no such file: {', '.join(map(str, missing))}")
-        local = [str(Path(f).expanduser()) for f in paths]
-        return datasets.load_dataset(builder, data_files=local, split="train", streaming=True)
+        return load_local(builder, files, streaming=True)
 
     def tokenize(example: dict[str, Any]) -> list[int]:
         if text_column not in example:

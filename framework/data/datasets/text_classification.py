@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from framework.data.datasets.classification import Splits
-from framework.data.datasets.hf import TokenizedSplits, load_tokenizer, with_tokenizer
+from framework.data.datasets.hf import TokenizedSplits, load_local, load_tokenizer, with_tokenizer
 from framework.errors import ConfigError
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
@@ -59,15 +59,8 @@ def _builder(files: list[str], builder: str | None) -> str:
 
 
 def _load(files: Any, builder: str | None) -> Any:
-    import datasets
-
     names = [files] if isinstance(files, str) else [str(f) for f in files]
-    missing = [f for f in names if not Path(f).expanduser().is_file()]
-    if missing:
-        raise FileNotFoundError(f"data.dataset.data_files: no such file: {', '.join(missing)}")
-    datasets.disable_progress_bars()
-    paths = [str(Path(f).expanduser()) for f in names]
-    return datasets.load_dataset(_builder(paths, builder), data_files=paths, split="train")
+    return load_local(_builder([str(Path(f).expanduser()) for f in names], builder), names)
 
 
 def _label_names(parts: list[Any], column: str) -> list[str] | None:
