@@ -125,7 +125,7 @@ class ChatEncoder:
         messages = example.get(self.column)
         if messages is None:
             raise ConfigError(
-                f"{where}: no '{self.column}' in the row (it has {sorted(k for k in example if k != WHERE)}); "
+                f"{where}: no '{self.column}' in the row (it has {sorted(k for k, v in example.items() if v is not None and k != WHERE)}); "
                 "data.dataset.messages_column=NAME names the conversations"
             )
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
