@@ -97,6 +97,13 @@ def test_conversations_left_with_nothing_to_learn_are_counted_and_dropped(chat, 
     ]
     for row in splits.train:  # every kept row counts a label after the causal shift
         assert (row["labels"][1:] != IGNORE_INDEX).any()
+    # streamed, never counted to its end: the first drop and every doubling of the count are said
+    streamed = hf_chat(
+        str(path), tokenizer=chat.marked, val_fraction=0, max_length=48, streaming=True, shards=1
+    )
+    assert len(list(Reader(streamed.train, 0, 1, 0, {}))) == len(CONVERSATIONS)
+    said = [line.split(":")[1] for line in capsys.readouterr().out.splitlines()]
+    assert said == [" 1 of 9 conversations read so far dropped", " 2 of 10 conversations read so far dropped"]
 
 
 @pytest.mark.parametrize(
