@@ -59,12 +59,17 @@ def chat_tokenizer(tokenizer: str | None, chat_template: str | None = None) -> A
     tok = load_tokenizer(tokenizer)
     if chat_template:
         tok.chat_template = _template_text(str(chat_template))
-    template = tok.chat_template.get("default") if isinstance(tok.chat_template, dict) else tok.chat_template
-    if not template:
+    if not template_of(tok):
         raise ConfigError(
             f"the tokenizer {tokenizer} has no chat template: give one with data.dataset.chat_template=FILE.jinja"
         )
     return tok
+
+
+def template_of(tokenizer: Any) -> str:
+    """The tokenizer's chat template (its default one, where it has several), or ""."""
+    template = getattr(tokenizer, "chat_template", None)
+    return (template.get("default") if isinstance(template, dict) else template) or ""
 
 
 def _template_text(template: str) -> str:
@@ -88,9 +93,7 @@ class ChatEncoder:
             raise ConfigError(f"data.dataset.max_length={max_length}: a conversation needs at least 2 tokens")
         self.tok, self.column = tokenizer, messages_column
         self.max_length, self.train_on_prompt = int(max_length), bool(train_on_prompt)
-        template = tokenizer.chat_template
-        template = template.get("default", "") if isinstance(template, dict) else template
-        self.marked = bool(GENERATION_MARKER.search(template or ""))
+        self.marked = bool(GENERATION_MARKER.search(template_of(tokenizer)))
         self.seen = self.truncated = self.dropped = 0
 
     def __call__(self, example: dict[str, Any]) -> tuple[list[int], list[int]]:
@@ -124,8 +127,9 @@ class ChatEncoder:
         with None for this row (another row had them) are left out, content excepted."""
         messages = example.get(self.column)
         if messages is None:
+            present = sorted(k for k, v in example.items() if v is not None and k != WHERE)
             raise ConfigError(
-                f"{where}: no '{self.column}' in the row (it has {sorted(k for k, v in example.items() if v is not None and k != WHERE)}); "
+                f"{where}: no '{self.column}' in the row (it has {present}); "
                 "data.dataset.messages_column=NAME names the conversations"
             )
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
