@@ -221,3 +221,18 @@ def test_a_chat_stream_resumes_exactly(chat, tmp_path):
     assert pieces == whole and len(whole) > 5
     held_out = [item for r in range(4) for item, _, _ in Reader(stream.valid, r, 4, 0, {})]
     assert held_out and all(len(b["input_ids"]) == 64 for b in held_out)
+
+
+def test_a_template_whose_prefixes_are_not_beginnings_of_the_whole_asks_for_markers(chat, tmp_path):
+    """Qwen3 1522: templates that render earlier assistant turns otherwise once the conversation
+    goes on (dropping their reasoning) have no assistant spans to find by prefixes: one line."""
+    template = chat_template(False).replace(
+        "{{ message['content'] }}<|eot_id|>{% else %}",
+        "{{ message['content'] if loop.last else '' }}<|eot_id|>{% else %}",
+    )
+    assert template != chat_template(False)
+    path = write_chat_jsonl(tmp_path / "two.jsonl", [CONVERSATIONS[1]])
+    with pytest.raises(
+        ConfigError, match=r"two.jsonl line 1: the chat template renders .* \{% generation %\} markers"
+    ):
+        hf_chat(str(path), tokenizer=chat.plain, chat_template=template, val_fraction=0)
