@@ -31,13 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from framework.data.labels import IGNORE_INDEX
 from framework.data.outputs import is_model_loss
 from framework.errors import ConfigError
 from framework.integrations import hf
 from framework.integrations.hf import predicts_next_token
 from framework.plan.run_plan import Mesh
 
-IGNORE_INDEX = -100
 CORE_ATTENTIONS = ("sdpa", "flash_attention_2", "flash_attention_3")  # what Ulysses wraps; CPU-verified: sdpa
 PREFIX = "ulysses_"  # the attention name a prepared model's config carries: ulysses_sdpa, ...
 

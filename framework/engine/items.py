@@ -34,11 +34,10 @@ from typing import Any
 import torch
 
 from framework.backend import sequence_parallel
+from framework.data.labels import IGNORE_INDEX
 from framework.data.outputs import is_model_loss, split
 from framework.integrations.hf import predicts_next_token
 from framework.plan.run_plan import Mesh
-
-IGNORE_INDEX = -100
 
 
 def _loss_fn(loss: Any) -> Any:

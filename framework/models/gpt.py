@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from framework.data.labels import IGNORE_INDEX
+
 
 class TokenEmbedding(nn.Embedding):
     """Token ids -> vectors; also the output head (`logits`), sharing its weight."""
@@ -145,7 +147,7 @@ class LMLoss(nn.Module):
     """Cross-entropy of next-token logits (B, T, V) against targets (B, T); targets equal to
     `ignore_index` (padding) are not counted."""
 
-    ignore_index = -100
+    ignore_index = IGNORE_INDEX
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean loss per counted token, in nats."""

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-IGNORE_INDEX = -100  # a label that does not count (Hugging Face's, and torch's cross-entropy's)
+from framework.data.labels import IGNORE_INDEX
 
 
 class Accuracy(torch.nn.Module):

@@ -133,6 +133,16 @@ def test_every_data_option_instantiates(compose, name, tmp_path):
         assert set(block) == {"input_ids", "labels"} and len(block["input_ids"]) == 16
         assert isinstance(splits.train, Stream) and splits.valid is not None
         return
+    if name == "hf_chat":  # conversations of the user's, rendered by a tokenizer's chat template
+        from tests.helpers.tiny_chat import tiny_chat_tokenizer, write_chat_jsonl
+
+        tiny_chat_tokenizer().save_pretrained(tmp_path / "tokenizer")
+        overrides += [f"data.dataset.data_files={write_chat_jsonl(tmp_path / 'chat.jsonl')}",
+                      f"data.dataset.tokenizer={tmp_path / 'tokenizer'}"]  # fmt: skip
+        splits = instantiate(compose(overrides).data.dataset)
+        assert set(splits.train[0]) == {"input_ids", "labels", "attention_mask"}
+        assert (len(splits.train), len(splits.valid)) == (7, 1)
+        return
     if name == "hf_classification":  # (text, label) rows of the user's; byte tokens by default
         rows = tmp_path / "rows.jsonl"
         rows.write_text("".join(f'{{"text": "row {i}", "label": "{"ab"[i % 2]}"}}\n' for i in range(50)))

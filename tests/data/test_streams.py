@@ -173,6 +173,22 @@ def test_packing_keeps_every_token_and_resumes_inside_a_document():
         assert (remade + again.flush())[0][0]["input_ids"].tolist() == following["input_ids"].tolist()
 
 
+def test_labelled_documents_keep_their_labels_in_blocks_either_way():
+    """A labelled document (ids, labels), as chat data gives, is packed as it is (no EOS added)
+    and its labels travel with its tokens; kept apart, each document's first label is -100."""
+    docs = [([1, 2, 3, 4, 5], [-100, -100, 3, 4, 5]), ([], []), ([6, 7, 8], [-100, 7, 8]), ([9, 10], [9, 10])]
+    for keep_apart in (False, True):
+        packer = Packer(1, lambda d: d, block_size=4, eos_id=0, keep_apart=keep_apart)
+        out = [b for i, d in enumerate(docs) for b, _ in packer.feed(i, d)] + [b for b, _ in packer.flush()]
+        ids = [t for b in out for t in b["input_ids"].tolist() if t]
+        labels = [label for b in out for label in b["labels"].tolist()]
+        assert ids == [t for d, _ in docs for t in d]  # every token once, no EOS between
+        if keep_apart:  # [1 2 3 4] [5 | 6 7 8] [9 10 pad pad]: a piece starts a document
+            assert labels == [-100, -100, 3, 4, -100, -100, 7, 8, -100, 10, -100, -100]
+        else:
+            assert labels[:10] == [label for _, marks in docs for label in marks]
+
+
 def test_documents_kept_apart_give_the_loss_of_one_document_per_row():
     """Packed with position ids restarting per document (no attention across documents), a
     Hugging Face Llama's per-token loss over a block equals its loss over the same documents one

@@ -131,6 +131,8 @@ def hf_text(
         raise ConfigError(
             f"data.dataset.text_column={text_column}: the files have columns {raw.column_names}; name one of them"
         )
+    if not _is_text_feature(raw.features[text_column]):
+        raise not_text(text_column, raw[0][text_column])
     tok = load_tokenizer(tokenizer)
 
     def tokenize(rows: dict[str, list[Any]]) -> dict[str, Any]:
@@ -185,7 +187,10 @@ def hf_stream(
             raise ConfigError(
                 f"data.dataset.text_column={text_column}: the files' rows have {sorted(example)}; name one of them"
             )
-        return list(tok([str(example[text_column])])["input_ids"][0])
+        text = example[text_column]
+        if not isinstance(text, str):
+            raise not_text(text_column, text)
+        return list(tok([text])["input_ids"][0])
 
     def stream(data: Any) -> Stream:
         transform = packed(tokenize, block_size, eos, keep_documents_apart, pad)
@@ -195,12 +200,29 @@ def hf_stream(
     if validation_files is not None:
         train, valid = raw, read(validation_files)
     else:
-        train = raw.filter(_EveryNth(int(val_every), held_out=False), with_indices=True)
-        valid = read(data_files).filter(_EveryNth(int(val_every), held_out=True), with_indices=True)
+        train = raw.filter(EveryNth(int(val_every), held_out=False), with_indices=True)
+        valid = read(data_files).filter(EveryNth(int(val_every), held_out=True), with_indices=True)
     return with_tokenizer(Splits(stream(train), stream(valid)), tok)
 
 
-class _EveryNth:
+def _is_text_feature(feature: Any) -> bool:
+    return getattr(feature, "dtype", None) in ("string", "large_string")
+
+
+def not_text(column: str, value: Any) -> ConfigError:
+    """The one-line error for a text column whose values are not text (a message list is chat data:
+    training on its Python `str()` would be silent nonsense)."""
+    if isinstance(value, (list, tuple)) and (not value or isinstance(value[0], dict)):
+        return ConfigError(
+            f"data.dataset.text_column={column} holds lists of messages, not text: for conversations use "
+            f"data=hf_chat data.dataset.messages_column={column} (labels on the assistant's turns only)"
+        )
+    return ConfigError(
+        f"data.dataset.text_column={column} holds {type(value).__name__} values, not text: name a text column"
+    )
+
+
+class EveryNth:
     """The documents a stream keeps (picklable, as a stream's reader copies its source so)."""
 
     def __init__(self, n: int, held_out: bool):

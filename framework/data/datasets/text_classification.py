@@ -19,14 +19,16 @@ import torch
 
 from framework.data.datasets.classification import Splits
 from framework.data.datasets.hf import TokenizedSplits, load_local, load_tokenizer, with_tokenizer
+from framework.data.labels import IGNORE_INDEX
 from framework.errors import ConfigError
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
 
 class PadCollator:
-    """Stacks rows of different lengths into a batch: `input_ids` padded with `pad_id`, every
-    other sequence field (attention_mask, token_type_ids) with 0, on the right; labels stacked."""
+    """Stacks rows of different lengths into a batch: `input_ids` padded with `pad_id`, labels
+    with -100 (per-token labels: a padded position counts nothing), every other sequence field
+    (attention_mask, token_type_ids) with 0, on the right; labels of whole rows stacked."""
 
     def __init__(self, pad_id: int = 0):
         self.pad_id = pad_id
@@ -38,7 +40,7 @@ class PadCollator:
             if values[0].dim() == 0:
                 batch[key] = torch.stack(values)
                 continue
-            fill = self.pad_id if key == "input_ids" else 0
+            fill = self.pad_id if key == "input_ids" else IGNORE_INDEX if key == "labels" else 0
             batch[key] = torch.nn.utils.rnn.pad_sequence(values, batch_first=True, padding_value=fill)
         return batch
 
