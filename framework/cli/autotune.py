@@ -101,7 +101,8 @@ def tune_job(cfg: DictConfig, output_dir: str) -> DictConfig | None:
     if chosen is None:
         raise tune.nothing_fits(trials, budget, float(a.margin), offload)
     print(
-        f"autotune: {chosen.name}: {chosen.samples_per_s:.1f} samples/s, peak {chosen.peak_gb:.3g} GB of {budget:.3g} GB; "
+        f"autotune: {chosen.name}: {chosen.samples_per_s:.1f} samples/s, peak {chosen.peak_gb:.3g} GB of {budget:.3g} GB "
+        f"({tune.why_chosen(chosen, trials)}); "
         f"{seconds['trials']:.0f} s for {seconds['tried']} trial(s) ({seconds['steps']:.0f} s of steps, the rest "
         f"process start-up and building); pin it with: {' '.join(chosen.layout.overrides())}"
     )
