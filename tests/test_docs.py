@@ -14,7 +14,9 @@ Besides, every relative link of the README points at a file that exists, and yam
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import re
 import traceback
 from dataclasses import dataclass
@@ -40,6 +42,7 @@ class Block:
     source: str
     no_run: str = ""  # the reason it is only compiled
     requires: tuple[str, ...] = ()  # modules it needs
+    prints: str = ""  # the ```text block after a "prints:" line that follows it: what it must print
 
     @property
     def where(self) -> str:
@@ -73,6 +76,9 @@ def blocks_of(path: Path) -> list[Block]:
             block.no_run = mark["what"] or "marked no-run"
         elif mark:
             block.requires = tuple(re.split(r"[,\s]+", mark["what"].strip()))
+        shown = blocks[-1] if blocks and previous.strip() == "prints:" else None
+        if shown is not None and block.language == "text":
+            shown.prints = block.source
         blocks.append(block)
         i = j + 1
     return blocks
@@ -125,6 +131,19 @@ def test_the_docs_have_runnable_examples():
     assert len(runnable) >= 10, [b.where for b in runnable]
 
 
+def check_printed(block: Block, printed: str) -> None:
+    """Each line the page says the block prints is printed (a line ending in "..." is abridged:
+    its start must match), in order."""
+    lines = iter(printed.splitlines())
+    for shown in block.prints.strip().splitlines():
+        start = shown.removesuffix("...").rstrip() if shown.endswith("...") else None
+        if not any((line.startswith(start) if start is not None else line == shown) for line in lines):
+            pytest.fail(
+                f"{block.where}: the page says it prints\n  {shown}\nbut it printed:\n{printed}",
+                pytrace=False,
+            )
+
+
 @pytest.mark.parametrize("path", PYTHON_PAGES, ids=_page_id)
 def test_page_examples_run(path: Path, tmp_path, monkeypatch):
     blocks = python_blocks(path)
@@ -143,9 +162,12 @@ def test_page_examples_run(path: Path, tmp_path, monkeypatch):
             if any(importlib.util.find_spec(module) is None for module in block.requires):
                 missing.append(block.where)
                 continue
-            failure = run_block(block, namespace)
+            with contextlib.redirect_stdout(io.StringIO()) as out:
+                failure = run_block(block, namespace)
             if failure:
                 pytest.fail(failure, pytrace=False)
+            if block.prints:
+                check_printed(block, out.getvalue())
     finally:
         close_engines(namespace)
     if missing:
