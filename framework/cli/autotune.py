@@ -21,7 +21,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +102,7 @@ def tune_job(cfg: DictConfig, output_dir: str) -> DictConfig | None:
         raise tune.nothing_fits(trials, budget, float(a.margin), offload)
     print(
         f"autotune: {chosen.name}: {chosen.samples_per_s:.1f} samples/s, peak {chosen.peak_gb:.3g} GB of {budget:.3g} GB "
-        f"({tune.why_chosen(chosen, trials)}); "
+        f"({why_chosen(chosen, trials)}); "
         f"{seconds['trials']:.0f} s for {seconds['tried']} trial(s) ({seconds['steps']:.0f} s of steps, the rest "
         f"process start-up and building); pin it with: {' '.join(chosen.layout.overrides())}"
     )
@@ -271,3 +271,16 @@ def _write(path: Path, result: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=2) + "\n")
     tmp.replace(path)
+
+
+def why_chosen(chosen: tune.Trial, trials: Sequence[tune.Trial]) -> str:
+    """Why `choose` took `chosen`: the fastest that fits, or within `tune.TIE` of a faster one and simpler."""
+    fitting = [t for t in trials if t.fits and t.samples_per_s]
+    fastest = max(fitting, key=lambda t: t.samples_per_s or 0.0)
+    if fastest is chosen:
+        return "the fastest layout that fits"
+    gap = 1 - (chosen.samples_per_s or 0.0) / (fastest.samples_per_s or 1.0)
+    return (
+        f"within {100 * gap:.1f} % of the fastest, {fastest.name} ({fastest.samples_per_s:.1f} samples/s), and "
+        f"simpler: layouts within {100 * tune.TIE:.0f} % count as equally fast, and the simplest of them wins"
+    )

@@ -24,7 +24,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from framework.backend import deepspeed_globals
 from framework.checkpoint import preemption
 from framework.checkpoint.store import complete_checkpoints, read_meta
-from framework.cli import autotune, sweep
+from framework.cli import autotune, help, sweep
 from framework.cli.argv import HydraView, check_group_choice, check_untyped_keys, normalize, untyped_overrides
 from framework.cli.build import checkpoint_dir, train, validate
 from framework.cli.config import check_override, register_configs
@@ -53,6 +53,7 @@ def prepare_argv(argv: list[str] | None = None, conf_dir: Path | None = None) ->
     argv = sys.argv if argv is None else argv
     argv[1:] = [a for a in argv[1:] if not a.startswith(("--local_rank=", "--local-rank="))]
     view = HydraView.from_argv(argv, conf_dir or Path(argv[0]).resolve().parent / "conf")
+    help.register(view)  # --help's option lines and config, resolved only when Hydra prints them
     if any(a.startswith("+") and not a.startswith("++") for a in view.overrides):
         groups = view.default_groups()
         argv[1:] = normalize(argv[1:], groups)

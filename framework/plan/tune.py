@@ -305,19 +305,6 @@ def choose(trials: Sequence[Trial]) -> Trial | None:
     return min(close, key=lambda t: t.layout.simplicity)
 
 
-def why_chosen(chosen: Trial, trials: Sequence[Trial]) -> str:
-    """Why `choose` took `chosen`: the fastest that fits, or within `TIE` of a faster one and simpler."""
-    fitting = [t for t in trials if t.fits and t.samples_per_s]
-    fastest = max(fitting, key=lambda t: t.samples_per_s or 0.0)
-    if fastest is chosen:
-        return "the fastest layout that fits"
-    gap = 1 - (chosen.samples_per_s or 0.0) / (fastest.samples_per_s or 1.0)
-    return (
-        f"within {100 * gap:.1f} % of the fastest, {fastest.name} ({fastest.samples_per_s:.1f} samples/s), and "
-        f"simpler: layouts within {100 * TIE:.0f} % count as equally fast, and the simplest of them wins"
-    )
-
-
 def nothing_fits(
     trials: Sequence[Trial], budget_gb: float, margin: float, offload_possible: bool
 ) -> ConfigError:

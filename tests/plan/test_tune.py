@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from framework.backend.estimate import model_facts
+from framework.cli.autotune import why_chosen
 from framework.errors import ConfigError
 from framework.models import GPT, MLP
 from framework.plan import paper, tune
@@ -126,11 +127,11 @@ def test_what_cannot_fit_is_skipped_and_ties_go_to_the_simpler():
     for trial, rate in ((fast, 102.0), (simple, 100.0)):
         tune.record(trial, 1.0, rate, None, limit_gb=2.0)
     assert tune.choose([fast, simple]) is simple  # within 3 %: the simpler, and the console says why
-    why = tune.why_chosen(simple, [fast, simple])
+    why = why_chosen(simple, [fast, simple])
     assert why.startswith(f"within 2.0 % of the fastest, {fast.name} (102.0 samples/s), and simpler")
     fast.samples_per_s = 110.0
     assert tune.choose([fast, simple]) is fast
-    assert tune.why_chosen(fast, [fast, simple]) == "the fastest layout that fits"
+    assert why_chosen(fast, [fast, simple]) == "the fastest layout that fits"
     failed = _trial(0, 1.0)
     tune.record(failed, None, None, "ValueError: a shape", limit_gb=2.0)
     assert failed.status == "failed: ValueError: a shape" and tune.choose([failed]) is None
