@@ -71,7 +71,7 @@ def fit(
         runtime.load_universal = plan.load_universal
     host.schedule(plan.budget.total_steps)  # before prepare: a first build gets the budget at once
     host.prepare("train", cfg.batch_size)
-    _start_run(host, cfg, plan)
+    _start_run(host, cfg, plan, has_valid=valid_data is not None)
     speed = Speedometer(runtime, cfg.batch_size, cfg.peak_tflops)
     parts = checkpoint.Stateful(runtime, st, host.metrics)
     if plan.resume_from is not None:
@@ -137,7 +137,7 @@ def _epochs(
         )
 
 
-def _start_run(host: Host, cfg: FitConfig, plan: RunPlan) -> None:
+def _start_run(host: Host, cfg: FitConfig, plan: RunPlan, has_valid: bool = False) -> None:
     runtime, st = host.runtime, host.state
     st.epochs, st.max_steps, st.global_batch_size = cfg.epochs, cfg.max_steps, cfg.batch_size
     st.batches_per_epoch, st.history, st.stop_training, st.stop_reason = (
@@ -152,7 +152,24 @@ def _start_run(host: Host, cfg: FitConfig, plan: RunPlan) -> None:
     st.info.strategy, st.info.world_size = runtime.strategy.describe(), runtime.world_size
     st.info.device_type, st.info.deepspeed_config = runtime.device.type, dict(runtime.config or {})
     warmup = warmup_note(host.scheduler_spec, plan.budget.total_steps) if host.scheduler_spec else None
-    st.info.notes = [*plan.budget.notes, *([warmup] if warmup else [])]
+    st.info.notes = [*plan.budget.notes, *([warmup] if warmup else []), *_past_the_end(cfg, plan, has_valid)]
+
+
+def _past_the_end(cfg: FitConfig, plan: RunPlan, has_valid: bool) -> list[str]:
+    """A validation or save frequency the run ends before reaching, one line each."""
+    notes = []
+    if has_valid and cfg.valid_freq > cfg.epochs:
+        notes.append(
+            f"valid_freq={cfg.valid_freq} is past the run's {cfg.epochs} epoch(s): no validation runs "
+            f"(trainer.valid_freq={cfg.epochs} validates at the end)"
+        )
+    total = plan.budget.total_steps
+    if cfg.save_dir is not None and cfg.save_freq > total:
+        notes.append(
+            f"save_freq={cfg.save_freq} is past the run's {total} optimizer steps: only the final checkpoint "
+            "is written (trainer.checkpoint.save_freq)"
+        )
+    return notes
 
 
 def _fit_callbacks(

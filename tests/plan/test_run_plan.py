@@ -441,7 +441,10 @@ def test_a_stream_says_both_limits_and_what_the_schedule_is_planned_for():
     assert "max_steps=200 or after 10 pass(es)" in note and "trainer.epochs" in note
 
 
-def test_a_warm_up_as_long_as_the_run_is_said_at_start_and_the_final_line_names_the_limit(capsys):
+def test_a_warm_up_as_long_as_the_run_is_said_at_start_and_the_final_line_names_the_limit(
+    capsys, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
     from framework.plan.run_plan import warmup_note
 
     assert warmup_note(functools.partial(schedulers.constant, warmup_steps=2), 3) is None
@@ -450,10 +453,21 @@ def test_a_warm_up_as_long_as_the_run_is_said_at_start_and_the_final_line_names_
         scheduler=functools.partial(schedulers.constant, warmup_steps=100),
     )  # fmt: skip
     data = torch.utils.data.TensorDataset(torch.randn(24, 64), torch.randint(0, 10, (24,)))
-    e.fit(data, epochs=1, batch_size=8, max_steps=5)
+    e.fit(
+        data,
+        valid_data=data,
+        epochs=1,
+        batch_size=8,
+        max_steps=5,
+        valid_freq=2,
+        save_dir="ckpts",
+        save_freq=9,
+    )
     out = capsys.readouterr().out
     assert "note: scheduler.warmup_steps=100 is not shorter than the run's 3 optimizer steps" in out
     assert "note: max_steps=5 is not reached: 1 epoch(s) of 3 optimizer steps" in out
+    assert "note: valid_freq=2 is past the run's 1 epoch(s): no validation runs" in out
+    assert "note: save_freq=9 is past the run's 3 optimizer steps: only the final checkpoint" in out
     assert e.state.stop_reason == "after trainer.epochs=1; trainer.max_steps=5 not reached"
     assert "(after trainer.epochs=1; trainer.max_steps=5 not reached)" in out
 
