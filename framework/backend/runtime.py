@@ -55,7 +55,7 @@ class Runtime(Topology):
     def init_context(self) -> contextlib.AbstractContextManager:
         """Context to construct a model in: `deepspeed.zero.Init` under ZeRO-3 (parameters are born
         partitioned, never whole on one rank), nothing otherwise."""
-        if self.strategy.sharding.stage != 3 or self.strategy.uses_pipeline:
+        if not self.strategy.partitions_parameters:
             return contextlib.nullcontext()
         import deepspeed
 
@@ -318,7 +318,7 @@ class Runtime(Topology):
             optimizer.load_state_dict(state)
 
     def _is_zero3(self) -> bool:
-        return self.strategy.sharding.stage == 3 and not self.strategy.uses_pipeline
+        return self.strategy.partitions_parameters
 
     def full_state_dict(self, on_every_rank: bool = False) -> dict[str, torch.Tensor]:
         """The module's complete weights as CPU tensors, on rank 0 ({} elsewhere unless

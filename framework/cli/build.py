@@ -217,10 +217,11 @@ def _type_mismatch(node: Any, key: str) -> str | None:
     return None
 
 
-def _build_model(node: Any, runtime: Runtime) -> Any:
-    """The model, built as `strategy.sharding.init` says under ZeRO-3 (`framework.cli.construct`)."""
+def _build_model(node: Any, runtime: Runtime, adapter: Any = None) -> Any:
+    """The model, built as `strategy.sharding.init` says under ZeRO-3 and adapted with the
+    `adapter` node (`framework.cli.construct`)."""
     try:
-        return construct.build_model(node, runtime)
+        return construct.build_model(node, runtime, construct.adapter_config(adapter))
     except InstantiationException:
         mismatch = _type_mismatch(node, "model")
         if mismatch:
@@ -261,7 +262,7 @@ def build_engine(cfg: DictConfig, runtime: Runtime, callbacks: list[Callback]) -
     """The model (built as the strategy says) and everything the Engine is given, from `cfg`."""
     t = cfg.trainer
     return Engine(
-        _build_model(cfg.model, runtime),
+        _build_model(cfg.model, runtime, cfg.get("adapter")),
         loss=instantiate(cfg.loss),
         optimizer=_checked_optimizer(cfg.optimizer),
         metrics={name: instantiate(node) for name, node in cfg.metrics.items()},

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from framework.errors import ConfigError
+from framework.integrations import peft
 
 HF_CONFIG = "hf_config"  # a Hugging Face model's config.json, for `framework.export --hf`
 HF_PREFIX = "weights_prefix"  # in HF_CONFIG: where the HF model sits in a wrapper's state dict ("lm.")
@@ -102,13 +103,16 @@ def _is_causal_lm(cls: type) -> bool:
 
 def predicts_next_token(module: Any) -> bool:
     """True for a Hugging Face causal LM: given `labels=`, its logits at position t are scored
-    against labels[t + 1] (it shifts them itself)."""
-    return "transformers" in sys.modules and _is_causal_lm(module.__class__)
+    against labels[t + 1] (it shifts them itself); seen through a `peft` wrapper."""
+    return "transformers" in sys.modules and _is_causal_lm(peft.base_model(module).__class__)
 
 
 def hf_model_in(module: Any) -> tuple[str, Any] | None:
     """(prefix, model): the Hugging Face model `module` is, or the one sub-module that is (a wrapper
-    around it); None when there is none, or several."""
+    around it); None when there is none, or several. A `peft` wrapper is seen through: its base
+    model, with the prefix of its weights in the wrapper's state dict."""
+    if peft.is_adapted(module):
+        return "base_model.model.", peft.base_model(module)
     if is_hf_model(module):
         return "", module
     found = [(name, m) for name, m in module.named_modules() if name and is_hf_model(m)]
@@ -117,6 +121,7 @@ def hf_model_in(module: Any) -> tuple[str, Any] | None:
 
 
 def _hf_model(module: Any) -> Any:
+    module = peft.base_model(module)
     if is_hf_model(module):
         return module
     return next((m for m in module.modules() if is_hf_model(m)), None)
@@ -148,6 +153,15 @@ def zero3_construction(zero_config: dict[str, Any]) -> Iterator[None]:
         yield
     finally:
         del keep_alive  # ZeRO-3 construction ends here
+
+
+def zero3_enabled() -> bool:
+    """True inside `zero3_construction` (transformers builds its models partitioned there)."""
+    if "transformers" not in sys.modules:
+        return False
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    return bool(is_deepspeed_zero3_enabled())
 
 
 def register_attention(

@@ -229,6 +229,11 @@ class Strategy:
         return self.pipeline.stages > 1
 
     @property
+    def partitions_parameters(self) -> bool:
+        """True when ZeRO-3 partitions the parameters (stage 3, never under the pipeline)."""
+        return self.sharding.stage == 3 and not self.uses_pipeline
+
+    @property
     def model_parallel_degree(self) -> int:
         """Ranks that share one data-parallel replica's batch: tensor x sequence parallel."""
         return self.tensor_parallel.degree * self.sequence_parallel.degree
