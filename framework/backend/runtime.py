@@ -26,6 +26,7 @@ from framework.backend.placement import offload_optimizer
 from framework.backend.topology import Topology
 from framework.data.transfer import Copier
 from framework.errors import ConfigError
+from framework.integrations import peft
 from framework.plan.cost import largest_block, param_counts
 from framework.plan.run_plan import scheduler_for
 from framework.plan.strategy import Strategy, compute_dtype_name
@@ -90,6 +91,8 @@ class Runtime(Topology):
         self.config = self.deepspeed_config_for(module)
         optimizer = offload_optimizer(self.strategy, optimizer, process)
         optimizer = expert_parallel.optimizer_with_expert_groups(self.strategy, optimizer)
+        if process.is_main and peft.is_adapted(module):
+            print(f"adapter: {peft.describe(module)}", flush=True)
         if self.strategy.recompute.enable and not self.strategy.uses_pipeline:
             recompute_lib.enable(module, say=process.is_main)
         if self.strategy.compile:

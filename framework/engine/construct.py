@@ -61,7 +61,7 @@ def build_model(
     module doc). `meta`: the model on the meta device, for its size; `transformers`: `make`
     builds a transformers model (its own ZeRO-3 path when partitioned)."""
     model = _built(make, runtime, meta or functools.partial(on_meta, make), transformers)
-    return adapt(model, adapter, runtime.strategy)  # the Engine it is given to says what trains
+    return adapt(model, adapter, runtime.strategy)
 
 
 def on_meta(make: Callable[[], nn.Module]) -> nn.Module:
@@ -71,9 +71,9 @@ def on_meta(make: Callable[[], nn.Module]) -> nn.Module:
         return make()
 
 
-def adapt(model: nn.Module, adapter: Any, strategy: Any, say: bool = False) -> nn.Module:
+def adapt(model: nn.Module, adapter: Any, strategy: Any) -> nn.Module:
     """`model` wrapped with `adapter` (a `peft` config; None: as it is); an adapted model's
-    strategy checked (`check_adapted`) and what trains said in one line (`say`: rank 0)."""
+    strategy checked (`check_adapted`). The runtime says what trains when it starts."""
     if adapter is not None:
         if getattr(adapter, "modules_to_save", None) and any(hasattr(p, "ds_id") for p in model.parameters()):
             raise ConfigError(
@@ -83,8 +83,6 @@ def adapt(model: nn.Module, adapter: Any, strategy: Any, say: bool = False) -> n
         model = peft.adapt(model, adapter, causal_lm=hf.predicts_next_token(model))
     if peft.is_adapted(model):
         check_adapted(strategy)
-        if say:
-            print(f"adapter: {peft.describe(model)}", flush=True)
     return model
 
 

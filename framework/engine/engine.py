@@ -101,7 +101,7 @@ class Engine:
             strategy = strategy if isinstance(strategy, Strategy) else Strategy(**(strategy or {}))
             runtime = Runtime(strategy, process)
         self.runtime = runtime
-        self.module = model = construct.adapt(model, adapter, runtime.strategy, say=runtime.mesh.rank == 0)
+        self.module = model = construct.adapt(model, adapter, runtime.strategy)
         self.label_key, self.output_key = label_key, output_key
         self.loss: Any = ModelLoss() if is_model_loss(loss) else None
         if loss is not None and self.loss is None:

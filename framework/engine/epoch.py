@@ -66,6 +66,7 @@ def train_epoch(
             if speed is not None and not speed.measured and batches.peek() is not None:
                 speed.measure(batches.peek(), st.global_step)  # once, on the first batch
             events.fire(Event.STEP_START, st)
+            runtime.grad_norm_wanted = (st.global_step + 1) % max(1, log_freq) == 0  # ZeRO-0 computes it then
             try:
                 with speed.counting() if speed is not None else contextlib.nullcontext():
                     loss = apply_train_result(host, _timed(step, batches, speed))
@@ -207,6 +208,9 @@ def _after_step(
     st.logs = {"batches": st.batches_in_epoch, "lr": runtime.lr}
     if st.log_now:
         st.logs["loss"] = _reduced_window_loss(st, runtime.process)
+        norm = runtime.grad_norm  # of the gradients the last optimizer step received
+        if norm is not None:
+            st.logs["grad_norm"] = norm
         if st.skipped_steps:
             st.logs["skipped_steps"] = st.skipped_steps
         if speed is not None:

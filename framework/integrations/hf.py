@@ -35,7 +35,8 @@ HF_PREFIX = "weights_prefix"  # in HF_CONFIG: where the HF model sits in a wrapp
 
 def save_model_config(module: Any, path: Path) -> None:
     """A Hugging Face model's config (and generation config) next to its weights, so an export
-    can write a `save_pretrained` directory; for a wrapper, also where the model's weights are."""
+    can write a `save_pretrained` directory; for a wrapper, also where the model's weights are;
+    for a `peft` model, the adapter's config (naming the base model) too."""
     found = hf_model_in(module)
     if found is None:
         return
@@ -47,6 +48,8 @@ def save_model_config(module: Any, path: Path) -> None:
         generation.save_pretrained(str(path / HF_CONFIG))
     if prefix:
         (path / HF_CONFIG / HF_PREFIX).write_text(prefix)
+    if peft.is_adapted(module):  # what `export --adapter` and `--hf` rebuild the adapted model from
+        peft.save_config(module, path)
 
 
 TOKENIZER_DIR = "tokenizer"  # in a checkpoints dir: the files of the tokenizer the run trained with

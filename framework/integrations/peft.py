@@ -173,6 +173,6 @@ def save_adapter(model: Any, out: Path) -> Path:
     return out
 
 
-def merged(model: Any) -> nn.Module:
+def merged(model: Any) -> Any:
     """The base model with the adapter's weights folded in (a plain transformers model)."""
     return model.merge_and_unload()
