@@ -126,14 +126,16 @@ def _merged_zero0_shards(path: Path, tp: int) -> dict[str, torch.Tensor]:
     return {key: out[key] for key in shards[0]}
 
 
-def save_hf_directory(ckpt: str | Path, out: str | Path, tokenizer: str | Path | None = None) -> Path:
+def save_hf_directory(
+    ckpt: str | Path, out: str | Path, tokenizer: str | Path | None = None, base: str | Path | None = None
+) -> Path:
     """A `save_pretrained` directory from a checkpoint of a transformers model (its config was
     saved with it): the model class from `config.architectures`, the fp32 weights, ties kept (an
-    adapter run's: the base with the adapter merged in); the tokenizer's files from `tokenizer`,
-    else from the checkpoints dir's `tokenizer/`."""
+    adapter run's: the base with the adapter merged in, see `save_adapter_directory` for `base`);
+    the tokenizer's files from `tokenizer`, else from the checkpoints dir's `tokenizer/`."""
     path = _checkpoint(ckpt)
     adapter = peft.load_config(path)
-    model = peft.merged(_adapted(path, adapter)) if adapter is not None else _hf_model(path)
+    model = peft.merged(_adapted(path, adapter, base)) if adapter is not None else _hf_model(path)
     model.save_pretrained(str(out), safe_serialization=True)
     generation = path / HF_CONFIG / "generation_config.json"
     if generation.is_file():
@@ -145,16 +147,18 @@ def save_hf_directory(ckpt: str | Path, out: str | Path, tokenizer: str | Path |
     return Path(out)
 
 
-def save_adapter_directory(ckpt: str | Path, out: str | Path) -> Path:
+def save_adapter_directory(ckpt: str | Path, out: str | Path, base: str | Path | None = None) -> Path:
     """A PEFT adapter directory (adapter_config.json, adapter_model.safetensors) from a checkpoint
-    of an adapter run, whatever its ZeRO stage: `PeftModel.from_pretrained(base, OUT)` loads it."""
+    of an adapter run, whatever its ZeRO stage: `PeftModel.from_pretrained(base, OUT)` loads it.
+    Such a checkpoint holds what trained; the frozen weights come from the base model's directory:
+    `base`, else the one the adapter's config names (`base_model_name_or_path`)."""
     path = _checkpoint(ckpt)
     adapter = peft.load_config(path)
     if adapter is None:
         raise ConfigError(
             f"{path} is not from an adapter run (+adapter=lora): export it with --hf or to a file"
         )
-    return peft.save_adapter(_adapted(path, adapter), Path(out))
+    return peft.save_adapter(_adapted(path, adapter, base), Path(out))
 
 
 def _checkpoint(ckpt: str | Path) -> Path:
@@ -174,9 +178,24 @@ def _base(path: Path) -> Any:
         return hf.model_from_config_dir(path / HF_CONFIG)
 
 
-def _adapted(path: Path, adapter: Any) -> Any:
-    """The adapted model of an adapter run's checkpoint, every weight from its fp32 state."""
-    return peft.rebuilt(_base(path), adapter, fp32_state_dict(path))
+def _adapted(path: Path, adapter: Any, base: str | Path | None) -> Any:
+    """The adapted model of an adapter run's checkpoint: what trained from its fp32 state, the
+    frozen base from the base model's directory (`base` or the one the adapter names)."""
+    state = fp32_state_dict(path)
+    where = base or adapter.base_model_name_or_path
+    if where is None or not Path(where).is_dir():
+        named = (
+            f"{where} (the adapter's base_model_name_or_path) is not a directory here"
+            if where
+            else "none is named"
+        )
+        raise ConfigError(
+            f"{path} holds the adapter's weights only; its base model's weights are needed and {named}: "
+            "add --base DIR (the save_pretrained directory the run trained from)"
+        )
+    if Path(where).resolve() != Path(str(adapter.base_model_name_or_path)).resolve():
+        adapter.base_model_name_or_path = str(where)
+    return peft.rebuilt(hf.pretrained(Path(where), _base(path)), adapter, state)
 
 
 def _hf_model(path: Path) -> Any:
@@ -252,14 +271,17 @@ def main(argv: list[str] | None = None) -> int:
         "--adapter", action="store_true", help="an adapter run's checkpoint: write a PEFT adapter directory"
     )
     parser.add_argument(
+        "--base", help="an adapter run's base model directory (default: the one its config names)"
+    )
+    parser.add_argument(
         "--tokenizer", help="with --hf: the tokenizer dir to copy (default: the one the run kept)"
     )
     args = parser.parse_args(argv)
     try:
         if args.adapter:
-            out = save_adapter_directory(args.checkpoint, args.out)
+            out = save_adapter_directory(args.checkpoint, args.out, args.base)
         elif args.hf or (not Path(args.out).suffix and _has_hf_config(args.checkpoint)):
-            out = save_hf_directory(args.checkpoint, args.out, args.tokenizer)
+            out = save_hf_directory(args.checkpoint, args.out, args.tokenizer, args.base)
         else:
             out = save_weights(fp32_state_dict(args.checkpoint), args.out)
     except (ConfigError, CheckpointError) as exc:

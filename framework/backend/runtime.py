@@ -297,14 +297,24 @@ class Runtime(Topology):
 
     # ------------------------------------------------------------------ state
     def save_checkpoint(self, ckpt_dir: str, tag: str) -> None:
-        """DeepSpeed's own files of this rank (weights, optimizer, scheduler) under `ckpt_dir/tag`."""
-        self.deepspeed_engine.save_checkpoint(ckpt_dir, tag=tag, save_latest=False)
+        """DeepSpeed's own files of this rank (weights, optimizer, scheduler) under `ckpt_dir/tag`;
+        of an adapted model, only what trains (the frozen base is rebuilt from where it came)."""
+        self.deepspeed_engine.save_checkpoint(
+            ckpt_dir, tag=tag, save_latest=False, exclude_frozen_parameters=self.adapted
+        )
 
     def load_checkpoint(self, ckpt_dir: str, tag: str) -> Any:
         """Load what `save_checkpoint` wrote; returns DeepSpeed's load path (None: nothing loaded)."""
-        path, _ = self.deepspeed_engine.load_checkpoint(ckpt_dir, tag=tag)
+        path, _ = self.deepspeed_engine.load_checkpoint(
+            ckpt_dir, tag=tag, load_module_strict=not self.adapted
+        )
         expert_parallel.unshare_optimizer_steps(getattr(self.optimizer, "optimizer", None))
         return path
+
+    @property
+    def adapted(self) -> bool:
+        """True for a model wrapped with adapters (`peft`): only they train and are checkpointed."""
+        return peft.is_adapted(self.module)
 
     def optimizer_state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state (DeepSpeed's, partitioned under ZeRO)."""

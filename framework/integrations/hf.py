@@ -145,6 +145,11 @@ def model_from_config_dir(path: Path, strict: bool = True) -> Any:
     return cls(config)
 
 
+def pretrained(path: Path, like: Any) -> Any:
+    """The model of a `save_pretrained` directory, of the class of `like` (its weights loaded)."""
+    return type(like).from_pretrained(str(path), local_files_only=True)
+
+
 @contextlib.contextmanager
 def zero3_construction(zero_config: dict[str, Any]) -> Iterator[None]:
     """Transformers' own ZeRO-3 path while the block runs: its models built (or loaded) inside it

@@ -127,6 +127,24 @@ def describe(model: Any) -> str:
     )
 
 
+def base_name(model: Any) -> str | None:
+    """Where the adapted model's base came from (`base_model_name_or_path`: its directory), if known."""
+    config = next(iter(model.peft_config.values()))
+    return getattr(config, "base_model_name_or_path", None) or None
+
+
+def describe_checkpoint(size: int, model: Any) -> str:
+    """'checkpoint: 0.15 MB (what trains: 4,096 of 26,784 parameters, base DIR; a full-training
+    checkpoint ~1.0 MB)' for an adapter run's checkpoint of `size` bytes: it holds the trained
+    weights and their optimizer states, which a full one holds for every parameter."""
+    trainable, total = trainable_counts(model)
+    full = size * total / max(trainable, 1) / 2**20
+    return (
+        f"checkpoint: {size / 2**20:.2f} MB (what trains: {trainable:,} of {total:,} parameters, base "
+        f"{base_name(model) or 'built from its config'}; a full-training checkpoint ~{full:.1f} MB)"
+    )
+
+
 ADAPTER_DIR = "adapter"  # in a checkpoint: adapter_config.json of the run's adapter
 
 
@@ -147,14 +165,15 @@ def load_config(path: Path) -> Any | None:
 
 
 def rebuilt(base: nn.Module, config: Any, state: dict[str, torch.Tensor]) -> Any:
-    """`base` adapted with `config`, holding the weights of `state` (a checkpoint's whole state
-    dict of the adapted model): every key must fit."""
+    """`base` adapted with `config`, holding the weights of `state` (a checkpoint's state dict of
+    the adapted model: what trained, or everything): every key must fit, and every trained one
+    be there."""
     from peft import get_peft_model
 
     model = get_peft_model(base, config)
     missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {f"base_model.model.{k}" for k in (getattr(base, "all_tied_weights_keys", {}) or {})}
-    if unexpected or [k for k in missing if k not in tied]:
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    if unexpected or trained & set(missing):
         raise ConfigError(
             f"the checkpoint's weights do not fit the adapted {type(base).__name__} "
             f"(missing {missing[:3]}, unexpected {unexpected[:3]})"

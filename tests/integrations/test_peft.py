@@ -13,6 +13,7 @@ import torch
 
 from framework import ConfigError, Engine, Strategy
 from framework.engine import construct
+from framework.export import fp32_state_dict
 from framework.export import main as export
 from framework.integrations import hf
 from framework.integrations import peft as adapters
@@ -128,18 +129,23 @@ def test_lora_under_every_stage_and_accumulation_equals_plain_peft(two_ranks):
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 3])
 def test_export_adapter_loads_in_peft_and_merged_gives_its_logits(two_ranks, tmp_path, stage):
-    """From a ZeRO-0 and a 2-rank ZeRO-3 checkpoint: --adapter writes what PeftModel loads (lora_B
-    non-zero, the file a fraction of the base's), --hf the merged model with the same logits."""
+    """From a ZeRO-0 and a 2-rank ZeRO-3 checkpoint (which hold what trains, not the frozen base):
+    --adapter writes what PeftModel loads (lora_B non-zero, the file a fraction of the base's),
+    --hf the merged model with the same logits."""
     out, _ = two_ranks
     ckpt = out / f"ckpt-zero{stage}"
-    assert export([str(ckpt), str(tmp_path / "adapter"), "--adapter"]) == 0
-    assert export([str(ckpt), str(tmp_path / "merged"), "--hf"]) == 0
+    base = ["--base", str(out / "base")]  # the checkpoint holds what trained: the base comes from its dir
+    assert export([str(ckpt), str(tmp_path / "adapter"), "--adapter", *base]) == 0
+    assert export([str(ckpt), str(tmp_path / "merged"), "--hf", *base]) == 0
     base = transformers.AutoModelForCausalLM.from_pretrained(out / "base")
     adapted = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
     state = adapted.state_dict()
     assert max(v.abs().max().item() for k, v in state.items() if "lora_B" in k) > 1e-3
     size = (tmp_path / "adapter" / "adapter_model.safetensors").stat().st_size
-    assert size < 0.25 * (out / "base" / "model.safetensors").stat().st_size
+    base_size = (out / "base" / "model.safetensors").stat().st_size
+    assert size < 0.25 * base_size
+    held = fp32_state_dict(ckpt)  # what trains, never the frozen base
+    assert held and all("lora_" in k for k in held if k.endswith("weight")), sorted(held)[:5]
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
