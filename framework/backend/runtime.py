@@ -44,6 +44,7 @@ class Runtime(Topology):
         self.deepspeed_engine: Any = None
         self.module: nn.Module | None = None  # the user's model
         self.parameters = 0  # the model's, counted whole before DeepSpeed splits it
+        self.trainable_parameters = 0  # of them, those with requires_grad (what the optimizer gets)
         self.load_universal = False  # the checkpoint to resume was written with another world size
         self.compute_dtype: torch.dtype = getattr(torch, compute_dtype_name(self.strategy))
         self.grad_norm_wanted = False  # ZeRO-0: compute the norm at the next step (costs a few %)
@@ -88,6 +89,9 @@ class Runtime(Topology):
         deepspeed_globals.quiet()
         parallel.check_model(self.strategy, self.mesh, module)
         self.module, self.parameters = module, param_counts(module)[0]
+        self.trainable_parameters = sum(
+            int(getattr(p, "ds_numel", p.numel())) for p in module.parameters() if p.requires_grad
+        )
         self.config = self.deepspeed_config_for(module)
         optimizer = offload_optimizer(self.strategy, optimizer, process)
         optimizer = expert_parallel.optimizer_with_expert_groups(self.strategy, optimizer)

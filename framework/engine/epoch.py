@@ -77,6 +77,8 @@ def train_epoch(
             if loss is not None:
                 pending.append(loss)
             _after_step(host, pending, boundaries, skipped, log_freq, speed)
+            if st.log_now and isinstance(step, _DefaultStep) and step.counted is not None:
+                st.logs["counted_items"] = step.counted.items()  # e.g. the tokens the loss counted
             data.need = max(data.need, batches.fetched - fetched)
             idle_calls = idle_calls + 1 if batches.fetched == fetched and pipeline_calls is None else 0
             if idle_calls >= MAX_IDLE_CALLS:
@@ -257,10 +259,13 @@ class _DefaultStep:
         self.steps_ahead = 1 if rt.process.cuda or stream else max(1, COUNT_AHEAD // self.acc)
         self.weights: list[Any] = []  # the counted micro-batches' weights still to use, in order
         self.windows: list[StepWeights] = []
+        self.steps: list[StepWeights | None] = []  # the optimizer step of each weight in `weights`
+        self.counted: StepWeights | None = None  # the step of the last micro-batch run
 
     def __call__(self) -> Any:
         if not self.weights:  # an optimizer step begins: count the items of its global batch (and more)
             self._count()
+        self.counted = self.steps.pop(0) if self.steps else None
         return default_train_step(self.host, next(self.batches), self.weights.pop(0))
 
     def _count(self) -> None:
@@ -276,6 +281,7 @@ class _DefaultStep:
             self.weights.extend(
                 functools.partial(found[i].__getitem__, j) if found else None for j in range(len(step))
             )
+            self.steps.extend((found[i] if found else None) for _ in step)
         if not self.weights:
             self.weights.append(None)  # no batch left: the step's next() ends the epoch
 

@@ -111,13 +111,15 @@ def two_ranks(tmp_path_factory) -> tuple[Path, list[dict]]:
 
 @pytest.mark.slow
 def test_lora_under_every_stage_and_accumulation_equals_plain_peft(two_ranks):
-    """3 SGD steps on 2 ranks: adapters, frozen base, logged losses and grad_norms equal one
-    process of plain PyTorch + PEFT (fp32); the optimizer holds the adapter's parameters only;
-    lora_B trained (non-zero)."""
+    """3 SGD steps on 2 ranks: adapters, frozen base, logged losses, grad_norms and counted tokens
+    equal one process of plain PyTorch + PEFT (fp32); the optimizer holds the adapter's
+    parameters only; lora_B trained (non-zero)."""
     _, results = two_ranks
     for result in results:
         assert len(result["errors"]) == 4 * 2 + 3
-        bad = {case: e for case, e in result["errors"].items() if max(e) > 1e-6}
+        bad = {
+            case: e for case, e in result["errors"].items() if not all(x <= 1e-6 for x in e)
+        }  # NaN: missing
         assert not bad, bad
         for case, (held, trainable) in result["optimizer"].items():
             assert trainable in (4096, 4096 + 64 * 32), case  # the adapters (and lm_head when saved)

@@ -8,7 +8,7 @@ under ZeRO-3 (the head trained whole beside the adapters), recompute with a froz
 Usage: lora_invariance.py OUT_DIR [STAGES] [ACCUMULATIONS] [EXTRAS]   (EXTRAS: wrapped,save,recompute)
 
 Writes OUT_DIR/rank<R>.json: {"errors": {case: [max weight error, max loss error, max grad-norm
-error]}, "optimizer": {case: [parameter elements the optimizer holds, all ranks, trainable elements]},
+error, max error of the logged counted_items (the tokens each step's loss counts)]}, "optimizer": {case: [parameter elements the optimizer holds, all ranks, trainable elements]},
 "lora_b": {case: max |lora_B|}}; checkpoints OUT_DIR/ckpt-zero0 and ckpt-zero3 (of the cases
 zero0 acc1, zero3 acc2) and the base model's save_pretrained directory OUT_DIR/base.
 """
@@ -77,12 +77,13 @@ class Logged(Callback):
     """Loss and grad_norm of every logged step (log_freq=1)."""
 
     def __init__(self):
-        self.losses, self.norms = [], []
+        self.losses, self.norms, self.counted = [], [], []
 
     def on_step_end(self, state):
         if "loss" in state.logs:
             self.losses.append(state.logs["loss"])
             self.norms.append(state.logs.get("grad_norm", float("nan")))
+            self.counted.append(state.logs.get("counted_items", float("nan")))
 
 
 def optimizer_elements(engine, job):
@@ -113,6 +114,7 @@ def train(case, stage, acc, adapter, wrapped=False, **strategy):
         max((state[k].float() - v).abs().max().item() for k, v in want.items()),
         max(abs(a - b) for a, b in zip(logged.losses, losses)) if len(logged.losses) == STEPS else 1.0,
         max(abs(a - b) for a, b in zip(logged.norms, norms)) if len(logged.norms) == STEPS else 1.0,
+        max(abs(a - b) for a, b in zip(logged.counted, counted)),  # the tokens each step's loss counted
     ]
     trainable = sum(
         int(getattr(p, "ds_numel", p.numel())) for p in engine.module.parameters() if p.requires_grad
@@ -123,6 +125,7 @@ def train(case, stage, acc, adapter, wrapped=False, **strategy):
         engine.save(str(out_dir / f"ckpt-zero{stage}"))
 
 
+counted = [(labels[s * GLOBAL : (s + 1) * GLOBAL, 1:] != -100).sum().item() for s in range(STEPS)]
 job = ProcessContext.start(timeout_s=120)
 if job.is_main:
     base.save_pretrained(out_dir / "base")  # the base the adapters are trained on
