@@ -126,6 +126,8 @@ def test_lora_under_every_stage_and_accumulation_equals_plain_peft(two_ranks):
             if not case.startswith(("zero3", "wrapped", "modules_to_save", "recompute zero3")):
                 assert held == trainable, case
         assert min(result["lora_b"].values()) > 1e-3
+        for case, share in result["frozen_share"].items():  # ZeRO-3 partitions the frozen base too
+            assert share < 0.6 if "zero3" in case else share == 1.0, (case, share)
 
 
 @pytest.mark.slow

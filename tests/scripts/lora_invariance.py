@@ -9,7 +9,8 @@ Usage: lora_invariance.py OUT_DIR [STAGES] [ACCUMULATIONS] [EXTRAS]   (EXTRAS: w
 
 Writes OUT_DIR/rank<R>.json: {"errors": {case: [max weight error, max loss error, max grad-norm
 error, max error of the logged counted_items (the tokens each step's loss counts)]}, "optimizer": {case: [parameter elements the optimizer holds, all ranks, trainable elements]},
-"lora_b": {case: max |lora_B|}}; checkpoints OUT_DIR/ckpt-zero0 and ckpt-zero3 (of the cases
+"lora_b": {case: max |lora_B|}, "frozen_share": {case: this rank's elements of the frozen base / the
+base's}}; checkpoints OUT_DIR/ckpt-zero0 and ckpt-zero3 (of the cases
 zero0 acc1, zero3 acc2) and the base model's save_pretrained directory OUT_DIR/base.
 """
 
@@ -120,6 +121,9 @@ def train(case, stage, acc, adapter, wrapped=False, **strategy):
         int(getattr(p, "ds_numel", p.numel())) for p in engine.module.parameters() if p.requires_grad
     )
     optimizer[case] = [optimizer_elements(engine, job), trainable]
+    frozen = [p for p in engine.module.parameters() if not p.requires_grad]
+    held = sum(getattr(p, "ds_tensor", p).numel() for p in frozen)  # ZeRO-3: this rank's partition
+    shares[case] = held / sum(int(getattr(p, "ds_numel", p.numel())) for p in frozen)
     lora_b[case] = max(v.abs().max().item() for k, v in state.items() if "lora_B" in k)
     if case in ("zero0 acc1", "zero3 acc2"):  # for export --adapter / --hf (tests/integrations/test_peft.py)
         engine.save(str(out_dir / f"ckpt-zero{stage}"))
@@ -129,7 +133,7 @@ counted = [(labels[s * GLOBAL : (s + 1) * GLOBAL, 1:] != -100).sum().item() for 
 job = ProcessContext.start(timeout_s=120)
 if job.is_main:
     base.save_pretrained(out_dir / "base")  # the base the adapters are trained on
-errors, optimizer, lora_b = {}, {}, {}
+errors, optimizer, lora_b, shares = {}, {}, {}, {}
 plain, saving = lora(), lora(modules_to_save=["lm_head"])
 references = {id(plain): reference(plain), id(saving): reference(saving), "wrapped": reference(plain)}
 for stage in stages:
@@ -144,5 +148,5 @@ if "recompute" in extras:
 rank = job.rank
 job.close()
 (out_dir / f"rank{rank}.json").write_text(
-    json.dumps({"errors": errors, "optimizer": optimizer, "lora_b": lora_b})
+    json.dumps({"errors": errors, "optimizer": optimizer, "lora_b": lora_b, "frozen_share": shares})
 )
