@@ -155,3 +155,21 @@ def test_export_adapter_loads_in_peft_and_merged_gives_its_logits(two_ranks, tmp
     with torch.no_grad():
         want, got = adapted(input_ids=tokens).logits, merged(input_ids=tokens).logits
     assert (want - got).abs().max().item() < 1e-4
+
+
+def test_modules_to_save_on_a_model_built_partitioned_is_refused_in_one_line():
+    """peft copies a `modules_to_save` module whole: from a model born inside zero.Init it would
+    copy empty partitions (DeepSpeed 7669). Built whole (the default for a model that fits) it
+    trains: tests/scripts/lora_invariance.py's ZeRO-3 case."""
+    from framework.backend.runtime import Runtime
+
+    runtime = Runtime(Strategy(sharding={"stage": 3, "init": "partitioned"}))
+    runtime.fix_layout(2)
+    config = tiny_llama().config
+    with pytest.raises(ConfigError, match="strategy.sharding.init=whole"):
+        construct.build_model(
+            lambda: transformers.LlamaForCausalLM._from_config(config),
+            runtime,
+            adapter=lora(modules_to_save=["lm_head"]),
+            transformers=True,
+        )
