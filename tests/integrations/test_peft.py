@@ -173,3 +173,17 @@ def test_modules_to_save_on_a_model_built_partitioned_is_refused_in_one_line():
             adapter=lora(modules_to_save=["lm_head"]),
             transformers=True,
         )
+
+
+@pytest.mark.slow
+def test_lora_on_one_process_equals_plain_peft(tmp_path, monkeypatch):
+    """The same script on one process (in this one): ZeRO-0 and ZeRO-3 with accumulation 2."""
+    import runpy
+
+    script = ROOT / "tests" / "scripts" / "lora_invariance.py"
+    monkeypatch.setattr("sys.argv", [str(script), str(tmp_path), "0,3", "2", "none"])
+    runpy.run_path(str(script), run_name="__main__")
+    result = json.loads((tmp_path / "rank0.json").read_text())
+    assert sorted(result["errors"]) == ["zero0 acc2", "zero3 acc2"]
+    bad = {case: e for case, e in result["errors"].items() if not all(x <= 1e-6 for x in e)}
+    assert not bad, bad
