@@ -30,6 +30,7 @@ from framework.cli import construct
 from framework.cli.config import RENAMED, check_schema
 from framework.cli.report import RunFiles, print_plan
 from framework.data.datasets import as_splits
+from framework.engine.construct import check_adapted
 from framework.engine.engine import Engine
 from framework.engine.fit_config import FitConfig
 from framework.errors import CheckpointError, ConfigError
@@ -62,6 +63,8 @@ def validate(cfg: DictConfig, world_size: int) -> Strategy:
     strategy = build_strategy(cfg)
     mesh_of(strategy, world_size)  # degrees that do not divide the processes: the strategy's error
     _with_key("trainer.batch_size", batch_layout, strategy, int(cfg.trainer.batch_size), world_size)
+    if cfg.get("adapter") is not None:
+        check_adapted(strategy)  # a parallelism adapters do not support: before any process starts
     return strategy
 
 

@@ -251,7 +251,9 @@ def _dataclass_of(schema: type, f: Any) -> type | None:
 
     hints = typing.get_type_hints(schema)
     candidate = hints.get(f.name)
-    return candidate if isinstance(candidate, type) and dataclasses.is_dataclass(candidate) else None
+    # `X | None` (an optional group such as adapter or autotune): its keys are checked as X's
+    options = [candidate, *typing.get_args(candidate)]
+    return next((c for c in options if isinstance(c, type) and dataclasses.is_dataclass(c)), None)
 
 
 def schema_field(path: list[str]) -> tuple[Any, str] | None:

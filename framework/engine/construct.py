@@ -60,6 +60,8 @@ def build_model(
     """The model `make` builds, built as `strategy.sharding.init` says, then adapted (see the
     module doc). `meta`: the model on the meta device, for its size; `transformers`: `make`
     builds a transformers model (its own ZeRO-3 path when partitioned)."""
+    if adapter is not None:
+        check_adapted(runtime.strategy)  # before anything is built
     model = _built(make, runtime, meta or functools.partial(on_meta, make), transformers)
     return adapt(model, adapter, runtime.strategy)
 
