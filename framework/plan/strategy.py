@@ -31,7 +31,7 @@ class Sharding:
     max_reuse_distance: Any = "auto"
     sub_group_size: Any = "auto"
     # ZeRO-3: build the model whole and let DeepSpeed partition it, or build it partitioned inside
-    # deepspeed.zero.Init (never whole on one rank); auto: whole when it fits (framework.cli.construct)
+    # deepspeed.zero.Init (never whole on one rank); auto: whole when it fits (framework.engine.construct)
     init: str = "auto"
 
 
