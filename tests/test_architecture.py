@@ -65,6 +65,7 @@ OWNERS = {
     "omegaconf": "cli",
     "transformers": "integrations",
     "wandb": "observe",
+    "peft": "integrations",
 }
 
 

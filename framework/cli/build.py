@@ -30,6 +30,7 @@ from framework.cli import construct
 from framework.cli.config import RENAMED, check_schema
 from framework.cli.report import RunFiles, print_plan
 from framework.data.datasets import as_splits
+from framework.engine.construct import check_adapted
 from framework.engine.engine import Engine
 from framework.engine.fit_config import FitConfig
 from framework.errors import CheckpointError, ConfigError
@@ -62,6 +63,8 @@ def validate(cfg: DictConfig, world_size: int) -> Strategy:
     strategy = build_strategy(cfg)
     mesh_of(strategy, world_size)  # degrees that do not divide the processes: the strategy's error
     _with_key("trainer.batch_size", batch_layout, strategy, int(cfg.trainer.batch_size), world_size)
+    if cfg.get("adapter") is not None:
+        check_adapted(strategy)  # a parallelism adapters do not support: before any process starts
     return strategy
 
 
@@ -217,10 +220,11 @@ def _type_mismatch(node: Any, key: str) -> str | None:
     return None
 
 
-def _build_model(node: Any, runtime: Runtime) -> Any:
-    """The model, built as `strategy.sharding.init` says under ZeRO-3 (`framework.cli.construct`)."""
+def _build_model(node: Any, runtime: Runtime, adapter: Any = None) -> Any:
+    """The model, built as `strategy.sharding.init` says under ZeRO-3 and adapted with the
+    `adapter` node (`framework.cli.construct`)."""
     try:
-        return construct.build_model(node, runtime)
+        return construct.build_model(node, runtime, construct.adapter_config(adapter))
     except InstantiationException:
         mismatch = _type_mismatch(node, "model")
         if mismatch:
@@ -261,7 +265,7 @@ def build_engine(cfg: DictConfig, runtime: Runtime, callbacks: list[Callback]) -
     """The model (built as the strategy says) and everything the Engine is given, from `cfg`."""
     t = cfg.trainer
     return Engine(
-        _build_model(cfg.model, runtime),
+        _build_model(cfg.model, runtime, cfg.get("adapter")),
         loss=instantiate(cfg.loss),
         optimizer=_checked_optimizer(cfg.optimizer),
         metrics={name: instantiate(node) for name, node in cfg.metrics.items()},

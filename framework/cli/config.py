@@ -35,6 +35,7 @@ GROUPS = (
     "experiment",
     "hparams_search",
     "autotune",
+    "adapter",
 )
 
 
@@ -120,6 +121,20 @@ class AutotuneConfig:
 
 
 @dataclass
+class AdapterConfig:
+    """`+adapter=lora`: train LoRA adapters on a frozen model, with `peft` (framework.engine.construct)."""
+
+    r: int = 8  # rank of each adapter's two matrices
+    alpha: int = 16  # scaling numerator: the adapter's output is multiplied by alpha / r
+    dropout: float = 0.05  # dropout on the adapter's input (0: the update is deterministic)
+    target_modules: Any = (
+        "all-linear"  # module names to adapt, or all-linear: every linear layer but the output head
+    )
+    modules_to_save: list[str] | None = None  # modules trained whole beside the adapters (e.g. [lm_head])
+    use_dora: bool = False  # DoRA: weight-decomposed adapters (a magnitude per output feature)
+
+
+@dataclass
 class TrainConfig:
     """Everything one run needs."""
 
@@ -137,6 +152,7 @@ class TrainConfig:
     eval_step: Any = None  # a custom validation step, the same way
     dry_run: bool = False  # print the per-rank memory estimate and the DeepSpeed config, then exit
     autotune: AutotuneConfig | None = None  # +autotune=search: choose the layout by trials first
+    adapter: AdapterConfig | None = None  # +adapter=lora: train adapters on the frozen model
 
 
 # Old key -> the name it has now (the Python API's, Paddle's): still accepted, with one line.
@@ -235,7 +251,9 @@ def _dataclass_of(schema: type, f: Any) -> type | None:
 
     hints = typing.get_type_hints(schema)
     candidate = hints.get(f.name)
-    return candidate if isinstance(candidate, type) and dataclasses.is_dataclass(candidate) else None
+    # `X | None` (an optional group such as adapter or autotune): its keys are checked as X's
+    options = [candidate, *typing.get_args(candidate)]
+    return next((c for c in options if isinstance(c, type) and dataclasses.is_dataclass(c)), None)
 
 
 def schema_field(path: list[str]) -> tuple[Any, str] | None:

@@ -66,6 +66,7 @@ def train_epoch(
             if speed is not None and not speed.measured and batches.peek() is not None:
                 speed.measure(batches.peek(), st.global_step)  # once, on the first batch
             events.fire(Event.STEP_START, st)
+            runtime.grad_norm_wanted = (st.global_step + 1) % max(1, log_freq) == 0  # ZeRO-0 computes it then
             try:
                 with speed.counting() if speed is not None else contextlib.nullcontext():
                     loss = apply_train_result(host, _timed(step, batches, speed))
@@ -76,6 +77,8 @@ def train_epoch(
             if loss is not None:
                 pending.append(loss)
             _after_step(host, pending, boundaries, skipped, log_freq, speed)
+            if st.log_now and isinstance(step, _DefaultStep) and step.counted is not None:
+                st.logs["counted_items"] = step.counted.items()  # e.g. the tokens the loss counted
             data.need = max(data.need, batches.fetched - fetched)
             idle_calls = idle_calls + 1 if batches.fetched == fetched and pipeline_calls is None else 0
             if idle_calls >= MAX_IDLE_CALLS:
@@ -207,6 +210,9 @@ def _after_step(
     st.logs = {"batches": st.batches_in_epoch, "lr": runtime.lr}
     if st.log_now:
         st.logs["loss"] = _reduced_window_loss(st, runtime.process)
+        norm = runtime.grad_norm  # of the gradients the last optimizer step received
+        if norm is not None:
+            st.logs["grad_norm"] = norm
         if st.skipped_steps:
             st.logs["skipped_steps"] = st.skipped_steps
         if speed is not None:
@@ -253,10 +259,13 @@ class _DefaultStep:
         self.steps_ahead = 1 if rt.process.cuda or stream else max(1, COUNT_AHEAD // self.acc)
         self.weights: list[Any] = []  # the counted micro-batches' weights still to use, in order
         self.windows: list[StepWeights] = []
+        self.steps: list[StepWeights | None] = []  # the optimizer step of each weight in `weights`
+        self.counted: StepWeights | None = None  # the step of the last micro-batch run
 
     def __call__(self) -> Any:
         if not self.weights:  # an optimizer step begins: count the items of its global batch (and more)
             self._count()
+        self.counted = self.steps.pop(0) if self.steps else None
         return default_train_step(self.host, next(self.batches), self.weights.pop(0))
 
     def _count(self) -> None:
@@ -272,6 +281,7 @@ class _DefaultStep:
             self.weights.extend(
                 functools.partial(found[i].__getitem__, j) if found else None for j in range(len(step))
             )
+            self.steps.extend((found[i] if found else None) for _ in step)
         if not self.weights:
             self.weights.append(None)  # no batch left: the step's next() ends the epoch
 

@@ -148,7 +148,7 @@ def _start_run(host: Host, cfg: FitConfig, plan: RunPlan, has_valid: bool = Fals
     )
     assert runtime.module is not None
     st.info.model_name = type(runtime.module).__name__
-    st.info.parameters = runtime.parameters
+    st.info.parameters, st.info.trainable_parameters = runtime.parameters, runtime.trainable_parameters
     st.info.strategy, st.info.world_size = runtime.strategy.describe(), runtime.world_size
     st.info.device_type, st.info.deepspeed_config = runtime.device.type, dict(runtime.config or {})
     warmup = warmup_note(host.scheduler_spec, plan.budget.total_steps) if host.scheduler_spec else None

@@ -21,6 +21,7 @@ class RunInfo:
 
     model_name: str = ""
     parameters: int = 0
+    trainable_parameters: int = 0  # of them, those the optimizer updates (an adapter run's few)
     strategy: str = ""  # Strategy.describe()
     world_size: int = 1
     device_type: str = "cpu"

@@ -67,6 +67,13 @@ CASES = {
     "zero1-2proc": ["+strategy=zero1", "trainer.devices=2"],
     "zero3-2proc": ["+strategy=zero3", "trainer.devices=2"],
     "two-batch-step": ["+strategy=zero2", TWO_BATCH],
+    # LoRA: the checkpoint holds the adapters and their AdamW states; the frozen base is rebuilt.
+    # adapter.dropout=0: with dropout (any model's, measured) a resume is not bit-exact yet
+    "lora-zero3": (
+        "model=hf_llama model.config.hidden_size=32 model.config.intermediate_size=64 model.config.vocab_size=128 "
+        "data=chars data.dataset.max_chars=20000 data.dataset.block_size=16 loss=lm metrics=none +adapter=lora "
+        "adapter.dropout=0 +strategy=zero3 trainer.max_steps=16 trainer.batch_size=8 trainer.valid_steps=1"
+    ).split(),
 }
 
 
