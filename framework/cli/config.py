@@ -9,6 +9,7 @@ are checked against the target's signature when they are instantiated.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -169,6 +170,10 @@ def register_configs() -> None:
     cs.store(name="train_schema", node=TrainConfig)
     # conf/hydra/launcher/slurm.yaml: request GPUs only for a run that uses them
     OmegaConf.register_new_resolver("slurm_gpus", slurm.gpus_per_node, replace=True)
+    # ${project_dir:}: the checkout holding train.py, conf/ and examples/ (shipped example files by path)
+    OmegaConf.register_new_resolver(
+        "project_dir", lambda: str(Path(__file__).resolve().parents[2]), replace=True
+    )
 
 
 # The smallest value each numeric key accepts (a float bound is exclusive); null stays allowed
