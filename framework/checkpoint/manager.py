@@ -254,8 +254,13 @@ def _load(parts: Stateful, path: Path) -> None:
         parts.metrics.eval.load_state_dict(saved["metrics"]["eval"], job.device)
         restore_rng(saved["rng"], job.device)
         return
-    # Another layout: continue at the same sample of the epoch's order.
-    state.loader_state = _stream_position(path, meta, saved["loop"].get("loader_state"))
+    # Another layout: continue at the same sample of the epoch's order, with global epoch sums.
+    files = [store.rank_file(path, rank) for rank in range(int(meta["world_size"]))]
+    every = [safety.load_safely(file) for file in files if file.is_file()]  # each checked by `store.check`
+    state.load_loss_means([s["loop"] for s in every])
+    for mode in ("train", "eval"):
+        parts.metrics.for_mode(mode).load_merged([s["metrics"][mode] for s in every], job.device, job.is_main)
+    state.loader_state = _stream_position(every, saved["loop"].get("loader_state"))
     consumed = state.batches_in_epoch * int(meta["micro_batch_size"]) * int(meta["dp_size"])
     assert runtime.layout is not None
     state.batches_in_epoch = consumed // (runtime.layout.micro_batch_size * runtime.dp_size)
@@ -263,15 +268,15 @@ def _load(parts: Stateful, path: Path) -> None:
     state.step_calls = state.batches_in_epoch // per_call
 
 
-def _stream_position(path: Path, meta: dict[str, Any], mine: Any) -> dict[str, Any] | None:
-    """A stream's position for another layout: every saving rank's shards, merged (a shard's
-    position holds on any layout: `framework.data.streams`); None for map-style data."""
+def _stream_position(every: list[dict[str, Any]], mine: Any) -> dict[str, Any] | None:
+    """A stream's position for another layout: every saving rank's shards (`every`: their rank
+    files), merged (a shard's position holds on any layout: `framework.data.streams`); None for
+    map-style data."""
     if not (isinstance(mine, dict) and "stream" in mine):
         return None
     shards: dict[Any, Any] = {}
-    for rank in range(int(meta["world_size"])):
-        theirs = safety.load_safely(store.rank_file(path, rank))["loop"].get("loader_state") or {}
-        shards.update(theirs.get("shards", {}))
+    for theirs in every:
+        shards.update((theirs["loop"].get("loader_state") or {}).get("shards", {}))
     return {**mine, "shards": shards}
 
 

@@ -298,8 +298,10 @@ def _convert(path: Path, out: Path, meta: dict[str, Any]) -> None:
     files it finds in its output dir: only its own may be there), then put it in place as `out`."""
     remove_interrupted(out.parent)
     fresh = Path(tempfile.mkdtemp(prefix=f"{out.name}{CONVERTING}{os.getpid()}-", dir=out.parent))
+    staged = fresh.with_name(fresh.name + "-staged")  # SGD's states under Adam's names, when needed
     try:
-        cmd = checkpoint_files.universal_command(path, fresh, int(meta["zero_stage"]))
+        renamed = checkpoint_files.adam_shaped(path, staged)
+        cmd = checkpoint_files.universal_command(staged if renamed else path, fresh, int(meta["zero_stage"]))
         with watchdog.suspended(watchdog.LONG_WORK, "converting a checkpoint"):
             limit = watchdog.budget()  # stopped (SIGSTOP) or stuck, it is killed before the watchdog fires
             try:
@@ -319,6 +321,8 @@ def _convert(path: Path, out: Path, meta: dict[str, Any]) -> None:
             )
         for file in path.glob(RANK_FILE.format(rank=0).replace("00000", "*")):
             shutil.copy(file, fresh / file.name)
+        if renamed:
+            atomic_write(fresh / checkpoint_files.STATE_NAMES, json.dumps(renamed))
         atomic_write(fresh / COMPLETE, json.dumps(dict(meta, files=safety.digests(fresh))))
         if out.is_symlink() or out.is_file():
             out.unlink()
@@ -327,3 +331,4 @@ def _convert(path: Path, out: Path, meta: dict[str, Any]) -> None:
         fresh.rename(out)
     finally:
         shutil.rmtree(fresh, ignore_errors=True)
+        shutil.rmtree(staged, ignore_errors=True)
