@@ -37,7 +37,7 @@ from framework.integrations.hf import HF_CONFIG, HF_PREFIX, TOKENIZER_DIR
 
 def fp32_state_dict(ckpt: str | Path) -> dict[str, torch.Tensor]:
     """The full fp32 state dict of a checkpoint (a checkpoints dir or one checkpoint)."""
-    path = store.resolve(str(ckpt), None)
+    path = store.resolve(str(ckpt), None, name=f"checkpoint {ckpt}")
     if path is None:
         raise ConfigError(f"no complete checkpoint in {ckpt}")
     meta = store.check(path)
@@ -125,7 +125,7 @@ def save_hf_directory(ckpt: str | Path, out: str | Path, tokenizer: str | Path |
     """A `save_pretrained` directory from a checkpoint of a transformers model (its config was
     saved with it): the model class from `config.architectures`, the fp32 weights, ties kept;
     the tokenizer's files from `tokenizer`, else from the checkpoints dir's `tokenizer/`."""
-    path = store.resolve(str(ckpt), None)
+    path = store.resolve(str(ckpt), None, name=f"checkpoint {ckpt}")
     if path is None:
         raise ConfigError(f"no complete checkpoint in {ckpt}")
     if not (path / HF_CONFIG / "config.json").is_file():
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _has_hf_config(ckpt: str) -> bool:
-    path = store.resolve(ckpt, None)
+    path = store.resolve(ckpt, None, name=f"checkpoint {ckpt}")
     return path is not None and (path / HF_CONFIG / "config.json").is_file()
 
 

@@ -243,11 +243,13 @@ def check(path: Path, process: ProcessContext | None = None) -> dict[str, Any]:
 
 
 def resolve(
-    resume: str | Path, ckpt_dir: str | Path | None, process: ProcessContext | None = None
+    resume: str | Path, ckpt_dir: str | Path | None, process: ProcessContext | None = None, name: str = ""
 ) -> Path | None:
     """`auto` -> the newest intact checkpoint in `ckpt_dir` (None if there is none, said in one
     line); a path -> that checkpoint (verified), or the newest intact one in that dir. Every rank
-    of `process` gets the same answer."""
+    of `process` gets the same answer. `name`: what the user gave it as, for the messages
+    (default `trainer.resume=<resume>`)."""
+    name = name or f"trainer.resume={resume}"
     if str(resume) == "auto":
         found = find_resumable(ckpt_dir, process) if ckpt_dir is not None else None
         if found is None and ranks(process).is_main:
@@ -255,13 +257,13 @@ def resolve(
         return found
     path = Path(resume)
     if not path.exists():
-        raise ConfigError(f"trainer.resume={resume}: no such checkpoint")
+        raise ConfigError(f"{name}: no such checkpoint")
     if TAG.match(path.name) or (path / COMPLETE).exists():
         check(path, process)
         return path
     found = find_resumable(path, process)
     if found is None:
-        raise ConfigError(f"trainer.resume={resume}: no complete checkpoint in that dir")
+        raise ConfigError(f"{name}: no complete checkpoint in that dir")
     return found
 
 

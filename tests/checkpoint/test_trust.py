@@ -332,6 +332,21 @@ def test_keep_best_writes_only_inside_the_run_dir():
         KeepBest(filename="../../x.safetensors")
 
 
+def test_export_of_a_missing_checkpoint_names_its_own_argument(tmp_path, capsys):
+    from framework.export import main
+
+    (tmp_path / "empty").mkdir()
+    for given, words in (
+        (tmp_path / "nope", "no such checkpoint"),
+        (tmp_path / "empty", "no complete checkpoint"),
+    ):
+        assert main([str(given), str(tmp_path / "w.safetensors")]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err == f"Error: checkpoint {given}: {words}" + (
+            " in that dir" if "complete" in words else ""
+        ), err
+
+
 # ------------------------------------------------------------------------------------- CLI: one line each
 
 
