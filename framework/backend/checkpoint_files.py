@@ -82,8 +82,9 @@ def adam_shaped(source: Path, staging: Path) -> dict[str, Any] | None:
     rename = dict(zip(ADAM_STATES, names))
     steps = any("step" in s for optim in optims for s in _state_and_fp32(optim)[0]["state"].values())
     staging.mkdir(parents=True, exist_ok=True)
-    for file in source.glob("*_model_states.pt"):
-        shutil.copy(file, staging / file.name)
+    for file in source.iterdir():  # the model states (a pipeline's layer files too), as they are
+        if file.is_file() and file not in files:
+            shutil.copy(file, staging / file.name)
     for file, optim in zip(files, optims):
         base, fp32 = _state_and_fp32(optim)
         base["state"] = {g: _as_adam(base["state"].get(g, {}), rename, flat) for g, flat in enumerate(fp32)}
