@@ -225,17 +225,30 @@ def _load(parts: Stateful, path: Path) -> None:
         rng.restore(saved["rng"], job.device)
         return
     # Another layout: continue at the same sample of the epoch's order, with global epoch sums.
-    files = [store.rank_file(path, rank) for rank in range(int(meta["world_size"]))]
-    every = [safety.load_safely(file) for file in files if file.is_file()]  # each checked by `store.check`
-    state.load_loss_means([s["loop"] for s in every])
+    files = {rank: store.rank_file(path, rank) for rank in range(int(meta["world_size"]))}
+    every = {
+        rank: safety.load_safely(file) for rank, file in files.items() if file.is_file()
+    }  # `store.check`ed
+    state.load_loss_means([s["loop"] for s in every.values()])
+    tp = int(meta.get("tp_size", 1))  # a tensor-parallel group's ranks count the same samples: one of each
+    distinct = [s for rank, s in every.items() if rank % tp == 0]
     for mode in ("train", "eval"):
-        parts.metrics.for_mode(mode).load_merged([s["metrics"][mode] for s in every], job.device, job.is_main)
-    state.loader_state = _stream_position(every, saved["loop"].get("loader_state"))
+        merged = [s["metrics"][mode] for s in distinct]
+        parts.metrics.for_mode(mode).load_merged(merged, job.device, _takes_merged(runtime.mesh))
+    state.loader_state = _stream_position(list(every.values()), saved["loop"].get("loader_state"))
     consumed = state.batches_in_epoch * int(meta["micro_batch_size"]) * int(meta["dp_size"])
     assert runtime.layout is not None
     state.batches_in_epoch = consumed // (runtime.layout.micro_batch_size * runtime.dp_size)
     per_call = runtime.strategy.accumulation_steps if runtime.strategy.uses_pipeline else 1
     state.step_calls = state.batches_in_epoch // per_call
+
+
+def _takes_merged(mesh: Mesh) -> bool:
+    """Whether this rank holds the merged metric states of a run saved on another layout: the
+    first data-parallel replica's (every tensor-parallel rank of it, which count the same samples
+    in the uninterrupted run too; one sequence-parallel rank; the pipeline's last stage)."""
+    last_stage = mesh.pipeline_stages == 1 or mesh.rank // mesh.dp_size == mesh.pipeline_stages - 1
+    return mesh.dp_rank == 0 and mesh.sp_rank == 0 and last_stage
 
 
 def _stream_position(every: list[dict[str, Any]], mine: Any) -> dict[str, Any] | None:

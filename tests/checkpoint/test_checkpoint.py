@@ -178,8 +178,9 @@ def test_export_loads_strict_into_the_plain_model_with_the_same_predictions(tmp_
 
 # ZeRO-1 (no universal_checkpoint_info of its own) with SGD without momentum (no optimizer state
 # at all), and SGD with momentum at ZeRO-3 (DeepSpeed's converter and ZeRO-3 loader know Adam's
-# states only; Adam/AdamW across world sizes: the test below and the tensor-parallel ones).
-RESIZE_CASES = ["zero1-sgd0", "zero3-sgd"]
+# states only; Adam/AdamW across world sizes: the test below and the tensor-parallel ones); and
+# SGD with momentum saved tensor parallel over both ranks (whose metric counts are duplicates).
+RESIZE_CASES = ["zero1-sgd0", "zero3-sgd", "tp-zero1-sgd"]
 
 
 @pytest.mark.slow

@@ -6,7 +6,8 @@ process tree (each case a ZeRO stage and an optimizer).
     resize_resume.py OUT resume CASE...  continue each case from its first checkpoint on this
                                          number of processes; write OUT/CASE/resumed.pt
 
-A case is STAGE-OPTIMIZER: zero1-adamw, zero2-sgd (momentum 0.9), zero3-sgd0 (no momentum), ...
+A case is [tp-]STAGE-OPTIMIZER: zero1-adamw, zero2-sgd (momentum 0.9), zero3-sgd0 (no momentum),
+tp-zero1-sgd (saved tensor parallel over the 2 ranks, resumed without), ...
 The epoch aggregates are the framework's accuracy and torchmetrics' (merged with `merge_state`).
 """
 
@@ -33,7 +34,8 @@ BATCH = 32
 
 
 def run(out: Path, phase: str, case: str, job: ProcessContext) -> None:
-    stage, optimizer = case.split("-")
+    *tp, stage, optimizer = case.split("-")  # tp-zero1-sgd: tensor parallel over 2 ranks, then 1
+    split = {"degree": 2, "plan": {"features.0": "column", "head": "row"}} if tp and phase == "full" else {}
     data = synthetic(num_samples=320, num_features=16, num_classes=4)
     torch.manual_seed(0)
     engine = Engine(
@@ -41,7 +43,7 @@ def run(out: Path, phase: str, case: str, job: ProcessContext) -> None:
         torch.nn.CrossEntropyLoss(),
         OPTIMIZERS[optimizer],
         {"accuracy": Accuracy(), "tm_accuracy": MulticlassAccuracy(num_classes=4, average="micro")},
-        strategy=Strategy(sharding={"stage": int(stage[-1])}),
+        strategy=Strategy(sharding={"stage": int(stage[-1])}, tensor_parallel=split),
         process=job,
     )
     ckpts = out / case / "checkpoints"
