@@ -43,7 +43,7 @@ from framework.process.environment import choose_accelerator
 
 def fp32_state_dict(ckpt: str | Path) -> dict[str, torch.Tensor]:
     """The full fp32 state dict of a checkpoint (a checkpoints dir or one checkpoint)."""
-    path = store.resolve(str(ckpt), None)
+    path = store.resolve(str(ckpt), None, name=f"checkpoint {ckpt}")
     if path is None:
         raise ConfigError(f"no complete checkpoint in {ckpt}")
     meta = store.check(path)
@@ -164,7 +164,7 @@ def save_adapter_directory(ckpt: str | Path, out: str | Path, base: str | Path |
 
 def _checkpoint(ckpt: str | Path) -> Path:
     """The checkpoint `ckpt` names (a checkpoints dir: its newest complete one), of a transformers model."""
-    path = store.resolve(str(ckpt), None)
+    path = store.resolve(str(ckpt), None, name=f"checkpoint {ckpt}")
     if path is None:
         raise ConfigError(f"no complete checkpoint in {ckpt}")
     if not (path / HF_CONFIG / "config.json").is_file():
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _has_hf_config(ckpt: str) -> bool:
-    path = store.resolve(ckpt, None)
+    path = store.resolve(ckpt, None, name=f"checkpoint {ckpt}")
     return path is not None and (path / HF_CONFIG / "config.json").is_file()
 
 

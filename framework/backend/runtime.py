@@ -11,14 +11,23 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import types
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from framework.backend import deepspeed_globals, expert_parallel, parallel, weights, zero3_trace
+from framework.backend import (
+    checkpoint_files,
+    deepspeed_globals,
+    expert_parallel,
+    parallel,
+    weights,
+    zero3_trace,
+)
 from framework.backend import pipeline as pipeline_lib
 from framework.backend import recompute as recompute_lib
 from framework.backend.ds_config import deepspeed_config, zero_init_config
@@ -313,6 +322,9 @@ class Runtime(Topology):
             ckpt_dir, tag=tag, load_module_strict=not self.adapted
         )
         expert_parallel.unshare_optimizer_steps(getattr(self.optimizer, "optimizer", None))
+        staged = Path(ckpt_dir) / tag / checkpoint_files.STATE_NAMES  # a conversion of SGD's states
+        if path is not None and staged.is_file():
+            checkpoint_files.restore_state_names(self.optimizer.optimizer, json.loads(staged.read_text()))
         return path
 
     @property

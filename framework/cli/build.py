@@ -135,6 +135,7 @@ def build_fit_config(
         keep_last_k=t.checkpoint.keep_last_k,
         resume=resume,
         handle_preemption=handle_preemption,
+        preemption_grace_s=t.checkpoint.grace_s,
         peak_tflops=t.peak_tflops,
         timeout_s=float(t.timeout_s),  # a stuck rank ends the job within timeout_s
         progress=False,  # the logger group decides what the console shows

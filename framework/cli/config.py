@@ -62,6 +62,7 @@ class CheckpointConfig:
     every_n_steps: int | None = None  # deprecated name of save_freq
     keep_last_k: int = 3  # complete checkpoints kept (older ones deleted); 0 keeps all
     dir: str | None = None  # default <output dir>/checkpoints; a stable path lets a re-submitted job find it
+    grace_s: float | None = None  # seconds from a preemption signal to the kill (Slurm's KillWait): checked
 
 
 @dataclass
@@ -196,6 +197,7 @@ MINIMUM: dict[str, int | float] = {
     "trainer.checkpoint.save_freq": 0,
     "trainer.checkpoint.every_n_steps": 0,
     "trainer.checkpoint.keep_last_k": 0,
+    "trainer.checkpoint.grace_s": 0.0,
     "data.num_workers": 0,
     "data.prefetch": 0,
     "strategy.gradient_clip.max_norm": 0,

@@ -188,7 +188,7 @@ def _fit_callbacks(
     if cfg.save_dir is not None:
         manager = checkpoint.CheckpointManager(
             parts, cfg.save_dir, cfg.save_freq, cfg.keep_last_k, cfg.handle_preemption,
-            on_saved=lambda: events.fire(Event.CHECKPOINT_SAVED, host.state),
+            on_saved=lambda: events.fire(Event.CHECKPOINT_SAVED, host.state), grace_s=cfg.preemption_grace_s,
         )  # fmt: skip
         manager.last_saved_step = host.state.global_step if resumed else -1
         events.extend([manager])
