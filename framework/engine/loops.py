@@ -121,7 +121,7 @@ def _epochs(
         if resuming:
             _restore_position(loader, st)
         logs = train_epoch(host, events, loader, budget, cfg.log_freq, resuming, speed)
-        if st.global_step == 0 and not st.stop_training:  # a run that did not happen is no success
+        if st.global_step == st.skipped_steps == 0 and not st.stop_training:  # a run that did not happen
             raise ConfigError(_no_step(loader, cfg))
         preempted = st.stop_reason.startswith("preempted")  # leave at once: the job is being stopped
         if valid_data is not None and (epoch + 1) % cfg.valid_freq == 0 and not preempted:
