@@ -121,6 +121,8 @@ def _epochs(
         if resuming:
             _restore_position(loader, st)
         logs = train_epoch(host, events, loader, budget, cfg.log_freq, resuming, speed)
+        if st.global_step == st.skipped_steps == 0 and not st.stop_training:  # a run that did not happen
+            raise ConfigError(_no_step(loader, cfg))
         preempted = st.stop_reason.startswith("preempted")  # leave at once: the job is being stopped
         if valid_data is not None and (epoch + 1) % cfg.valid_freq == 0 and not preempted:
             logs.update(_validate(host, events, valid_data, cfg, logs=logs))
@@ -135,6 +137,15 @@ def _epochs(
         st.stop_reason = f"after trainer.epochs={cfg.epochs}" + (
             f"; trainer.max_steps={st.max_steps} not reached" if unreached else ""
         )
+
+
+def _no_step(loader: Any, cfg: FitConfig) -> str:
+    """Why a pass trained no optimizer step, in one line."""
+    what = "the training stream" if isinstance(loader, StreamLoader) else "the training data"
+    return (
+        f"no optimizer step was trained: {what} ran out (on some rank) before one global batch of "
+        f"{cfg.batch_size} samples; give more data or a smaller batch size (trainer.batch_size)"
+    )
 
 
 def _start_run(host: Host, cfg: FitConfig, plan: RunPlan, has_valid: bool = False) -> None:
