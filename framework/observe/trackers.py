@@ -40,12 +40,28 @@ def _flat(config: Any, prefix: str = "") -> dict[str, str]:
     return {prefix.rstrip("."): str(config)}
 
 
-class TensorBoardLogger(Callback):
+class _Tracker(Callback):
+    """What both trackers log: `train/<key>` at logging points, `epoch/<key>` at epoch ends."""
+
+    rank_zero_only = True
+
+    def _log(self, values: dict[str, float], step: int) -> None:
+        raise NotImplementedError
+
+    def on_step_end(self, state: LoopState) -> None:
+        """Step metrics at logging points."""
+        if state.log_now:
+            self._log(_numbers(state.logs, "train"), state.global_step)
+
+    def on_epoch_end(self, state: LoopState) -> None:
+        """The epoch summary."""
+        self._log(_numbers(state.logs, "epoch"), state.global_step)
+
+
+class TensorBoardLogger(_Tracker):
     """Scalars in TensorBoard event files: `<output_dir>/tensorboard` by default (`log_dir` to
     change), so `tensorboard --logdir` on a sweep's dir shows each job as its own run. The
     resolved config is written once as text."""
-
-    rank_zero_only = True
 
     def __init__(self, log_dir: str | None = None, output_dir: str | None = None, run_config: Any = None):
         self.log_dir = log_dir or str(Path(output_dir or ".") / "tensorboard")
@@ -66,15 +82,6 @@ class TensorBoardLogger(Callback):
             return
         for key, value in values.items():
             self.writer.add_scalar(key, value, step)
-
-    def on_step_end(self, state: LoopState) -> None:
-        """Step metrics at logging points."""
-        if state.log_now:
-            self._log(_numbers(state.logs, "train"), state.global_step)
-
-    def on_epoch_end(self, state: LoopState) -> None:
-        """The epoch summary."""
-        self._log(_numbers(state.logs, "epoch"), state.global_step)
 
     def on_fit_end(self, state: LoopState) -> None:
         """Flush and close the event file."""
@@ -97,14 +104,12 @@ def reachable(uri: str, timeout: float = 2.0) -> bool:
         return False
 
 
-class MLflowLogger(Callback):
+class MLflowLogger(_Tracker):
     """A run in MLflow: params from the resolved config, metrics per optimizer step, the final
     metrics at the end, and the run's dir as artifacts when `log_artifacts`. `tracking_uri`: a
     server (`http://host:5000`) or a store; None: a local store, `mlruns/mlflow.db` (SQLite,
     MLflow's file store being retired) with `mlruns/artifacts`, in the sweep's dir (a sweep) or
     the run's dir. `experiment`: the sweep's name in a sweep, else `hydraspeed`."""
-
-    rank_zero_only = True
 
     def __init__(
         self,
@@ -175,15 +180,6 @@ class MLflowLogger(Callback):
         now = int(time.time() * 1000)
         metrics = [Metric(k, v, now, step) for k, v in values.items()]
         self._call(self.client.log_batch, self.run_id, metrics=metrics)
-
-    def on_step_end(self, state: LoopState) -> None:
-        """Step metrics at logging points."""
-        if state.log_now:
-            self._log(_numbers(state.logs, "train"), state.global_step)
-
-    def on_epoch_end(self, state: LoopState) -> None:
-        """The epoch summary."""
-        self._log(_numbers(state.logs, "epoch"), state.global_step)
 
     def on_fit_end(self, state: LoopState) -> None:
         """The final metrics, the artifacts when asked, and the run's end."""
