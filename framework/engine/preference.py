@@ -102,8 +102,8 @@ def pair_logps(
     """(chosen, rejected) sequence log-probabilities of `model` from one forward pass."""
     ids, mask, labels = concatenated(batch)
     outputs = model(input_ids=ids, attention_mask=mask, use_cache=False)
-    logps = sequence_logps(logits_of(outputs, output_key), labels, average)
-    return logps.chunk(2)
+    chosen, rejected = sequence_logps(logits_of(outputs, output_key), labels, average).chunk(2)
+    return chosen, rejected
 
 
 class RewardMeter:
@@ -252,7 +252,7 @@ def objective_for(model: torch.nn.Module, stage: int, options: dict[str, Any]) -
     if not options.get("precompute_reference") and not has_adapters(model):
         if stage == 3:
             raise ConfigError(
-                "DPO under ZeRO-3 needs no whole reference copy on each rank: set "
+                "DPO under ZeRO-3 keeps no frozen reference copy (it would be whole on every rank): set "
                 "objective.precompute_reference=true, or train adapters (+adapter=lora)"
             )
         reference = copy.deepcopy(model)

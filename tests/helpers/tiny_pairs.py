@@ -1,8 +1,8 @@
 """Preference pairs over the tiny chat tokenizer's words (`tests.helpers.tiny_chat`), made locally.
 
-    from tests.helpers.tiny_pairs import PAIRS, write_pairs_jsonl
+from tests.helpers.tiny_pairs import PAIRS, write_pairs_jsonl
 
-    data = write_pairs_jsonl(tmp_path / "pairs.jsonl")   # 8 {prompt, chosen, rejected} rows
+data = write_pairs_jsonl(tmp_path / "pairs.jsonl")   # 8 {prompt, chosen, rejected} rows
 """
 
 from __future__ import annotations

@@ -1,0 +1,176 @@
+"""DPO (`framework.engine.preference`) against TRL's `DPOTrainer` on a tiny Llama and 8 pairs,
+its reference under adapters, the pairs data, and the same training on every layout."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from framework.data.datasets.preference import hf_preference
+from framework.engine.preference import DPO, objective_for
+from framework.errors import ConfigError
+from tests.conftest import run_layout_script, run_train
+from tests.helpers.tiny_chat import tiny_chat_tokenizer, tiny_llama, write_tiny_llama
+from tests.helpers.tiny_pairs import PAIRS, write_pairs_jsonl
+
+
+def _as_step_host(model):
+    """What a training step uses of the Engine (`framework.engine.steps`'s documented subset)."""
+    return SimpleNamespace(model=model, module=model, output_key=None, runtime=SimpleNamespace(device="cpu"))
+
+
+def _messages(value, role):
+    return [{"role": role, "content": value}] if isinstance(value, str) else value
+
+
+@pytest.fixture(scope="module")
+def trl_batch(tmp_path_factory):
+    """TRL's DPOTrainer over the 8 pairs (policy and reference two different tiny Llamas): its
+    first batch, its loss and reward metrics, and our pairs data over the same file."""
+    datasets = pytest.importorskip("datasets")
+    trl = pytest.importorskip("trl")
+    tmp = tmp_path_factory.mktemp("dpo")
+    tok = tiny_chat_tokenizer()
+    policy, reference = tiny_llama(tok, seed=0), tiny_llama(tok, seed=1)
+    rows = [{k: _messages(p[k], "user" if k == "prompt" else "assistant") for k in p} for p in PAIRS]
+    args = trl.DPOConfig(
+        output_dir=str(tmp / "trl"), beta=0.1, per_device_train_batch_size=8, report_to=[], use_cpu=True
+    )
+    trainer = trl.DPOTrainer(
+        model=policy, ref_model=reference, args=args, train_dataset=datasets.Dataset.from_list(rows),
+        processing_class=tok,
+    )  # fmt: skip
+    batch = next(iter(trainer.get_train_dataloader()))
+    policy.train()
+    loss = trainer.compute_loss(trainer.model, batch).item()
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    model_dir = write_tiny_llama(tmp / "llama")
+    ours = hf_preference(str(write_pairs_jsonl(tmp / "pairs.jsonl")), tokenizer=str(model_dir))
+    return SimpleNamespace(
+        policy=policy, reference=reference, batch=batch, loss=loss, metrics=metrics, ours=ours
+    )
+
+
+def _ours_from_trl(batch):
+    """TRL's batch (chosen rows, then rejected; completion_mask) as our pairs batch."""
+    labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+    out = {}
+    for side, part in zip(("chosen", "rejected"), range(2)):
+        rows = slice(part * 8, (part + 1) * 8)
+        out[f"{side}_input_ids"] = batch["input_ids"][rows]
+        out[f"{side}_attention_mask"] = batch["attention_mask"][rows]
+        out[f"{side}_labels"] = labels[rows]
+    return out
+
+
+def test_pairs_data_renders_as_trl_does(trl_batch):
+    """Our rows hold TRL's tokens for each pair (its loader shuffles them), labels on exactly its
+    completion tokens."""
+    batch, theirs, ours = trl_batch.batch, [], []
+    for i in range(8):
+        pair = []
+        for offset in (0, 8):
+            keep = batch["attention_mask"][i + offset].bool()
+            pair += [
+                batch["input_ids"][i + offset][keep].tolist(),
+                batch["completion_mask"][i + offset][keep].tolist(),
+            ]
+        theirs.append(pair)
+        row = trl_batch.ours.train[i]
+        ours.append(
+            [row[f"{side}_{key}"].tolist() if key == "input_ids" else (row[f"{side}_labels"] != -100).long().tolist()
+             for side in ("chosen", "rejected") for key in ("input_ids", "labels")]
+        )  # fmt: skip
+    assert sorted(ours) == sorted(theirs)
+
+
+def test_dpo_loss_and_rewards_equal_trl(trl_batch):
+    """A policy that differs from the reference: TRL's loss and reward metrics (1e-5)."""
+    dpo = DPO(beta=0.1, reference=copy.deepcopy(trl_batch.reference))
+    loss = dpo(_as_step_host(trl_batch.policy), _ours_from_trl(trl_batch.batch))
+    logs = dpo.step_logs()
+    assert loss.item() == pytest.approx(trl_batch.loss, abs=1e-5)
+    assert logs["rewards/chosen"] == pytest.approx(trl_batch.metrics["rewards/chosen"], abs=1e-5)
+    assert logs["rewards/rejected"] == pytest.approx(trl_batch.metrics["rewards/rejected"], abs=1e-5)
+    assert logs["rewards/margins"] == pytest.approx(trl_batch.metrics["rewards/margins"], abs=1e-5)
+    assert logs["rewards/accuracy"] == pytest.approx(trl_batch.metrics["rewards/accuracies"], abs=1e-6)
+    assert abs(loss.item() - math.log(2)) > 1e-3  # the policy really differs
+
+
+def test_policy_equal_to_reference_gives_ln2(trl_batch):
+    """An untrained policy equal to its reference: ln 2, every reward 0, on our own pairs data."""
+    batch = trl_batch.ours.collate_fn([trl_batch.ours.train[i] for i in range(8)])
+    dpo = DPO(beta=0.1, reference=copy.deepcopy(trl_batch.policy))
+    assert dpo(_as_step_host(trl_batch.policy), batch).item() == pytest.approx(math.log(2), abs=1e-6)
+    assert dpo.step_logs()["rewards/margins"] == pytest.approx(0.0, abs=1e-7)
+
+
+def test_peft_reference_is_the_model_with_adapters_disabled(trl_batch):
+    """Under LoRA no copy is kept: fresh adapters give ln 2; trained ones the loss against the base."""
+    peft = pytest.importorskip("peft")
+    base = tiny_llama(tiny_chat_tokenizer(), seed=2)
+    model = peft.get_peft_model(
+        copy.deepcopy(base), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    )
+    batch = trl_batch.ours.collate_fn([trl_batch.ours.train[i] for i in range(8)])
+    dpo = objective_for(model, stage=3, options={"name": "dpo", "beta": 0.1})
+    assert dpo.reference is None
+    assert dpo(_as_step_host(model), batch).item() == pytest.approx(math.log(2), abs=1e-6)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    against_base = DPO(beta=0.1, reference=base)(_as_step_host(model), batch).item()
+    assert dpo(_as_step_host(model), batch).item() == pytest.approx(against_base, abs=1e-6)
+    assert abs(against_base - math.log(2)) > 1e-3
+
+
+def test_ipo_and_options_are_checked():
+    with pytest.raises(ConfigError, match="objective.loss_type=kto"):
+        DPO(loss_type="kto")
+    with pytest.raises(ConfigError, match="objective.beta"):
+        DPO(beta=0)
+    with pytest.raises(ConfigError, match="precompute_reference=true"):
+        objective_for(torch.nn.Linear(2, 2), stage=3, options={"beta": 0.1})
+
+
+def test_a_pair_cut_away_is_dropped_and_counted(tmp_path, capsys):
+    model_dir = write_tiny_llama(tmp_path / "llama")
+    long_prompt = {"prompt": " ".join(["what do cats say ?"] * 12), "chosen": "meow .", "rejected": "one ."}
+    data = write_pairs_jsonl(tmp_path / "pairs.jsonl", [*PAIRS[:3], long_prompt])
+    splits = hf_preference(str(data), tokenizer=str(model_dir), max_length=40)
+    assert len(splits.train) == 3
+    assert "data: 1 of 4 pairs dropped" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_dpo_trains_the_same_weights_on_every_layout(tmp_path):
+    """2 ranks x ZeRO 0 (frozen copy) / 3 (precomputed reference) x accumulation 1 / 2: plain
+    torch's weights, loss and reward metrics after two SGD steps (fp32)."""
+    script_results = run_layout_script(tmp_path, ranks=2, timeout=240, script="dpo_invariance.py")
+    assert all(r["moved"] > 1e-3 for r in script_results)
+    assert len(script_results[0]["errors"]) == 4
+
+
+@pytest.mark.slow
+def test_cli_dpo_logs_rewards_in_metrics_jsonl(tmp_path):
+    model_dir = write_tiny_llama(tmp_path / "llama")
+    data = write_pairs_jsonl(tmp_path / "pairs.jsonl")
+    args = [
+        "model=hf_causal_lm", f"model.path={model_dir}", "data=hf_preference", f"data.dataset.data_files={data}",
+        "+objective=dpo", "optimizer=sgd", "scheduler=constant", "trainer.batch_size=4", "trainer.max_steps=2",
+        "trainer.log_freq=1", "trainer.monitor=loss", "metrics=none",
+    ]  # fmt: skip
+    run = run_train(args, tmp_path / "run")
+    assert run.returncode == 0, run.stderr[-3000:]
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if r["kind"] == "step"]
+    assert steps[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracy"):
+        assert all(key in r for r in steps), steps
+    assert steps[1]["rewards/margins"] != 0.0
