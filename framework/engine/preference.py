@@ -199,6 +199,12 @@ class DPO:
             self._placed = True
         return pair_logps(self.reference, batch, average, engine.output_key)
 
+    def follow(self, model: torch.nn.Module) -> None:
+        """Make the frozen reference the model as it is now (weights loaded after the copy was
+        made: `trainer.init_from`); a reference of another kind needs nothing."""
+        if self.reference is not None:
+            self.reference.load_state_dict(model.state_dict())
+
     def step_logs(self, device: torch.device | None = None) -> dict[str, float]:
         """The reward metrics since the last logging point (collective; the loop calls it)."""
         return self.meter.read(device)

@@ -172,7 +172,7 @@ def hf_preference(
     tokenizer: str | None = None,
     chat_template: str | None = None,
     max_length: int = 1024,
-    val_fraction: float = 0.0,
+    val_fraction: float = 0.1,
     validation_files: Any = None,
     split_seed: int = 0,
     builder: str | None = None,
