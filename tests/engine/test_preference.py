@@ -50,7 +50,9 @@ def trl_batch(tmp_path_factory):
     loss = trainer.compute_loss(trainer.model, batch).item()
     metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
     model_dir = write_tiny_llama(tmp / "llama")
-    ours = hf_preference(str(write_pairs_jsonl(tmp / "pairs.jsonl")), tokenizer=str(model_dir))
+    ours = hf_preference(
+        str(write_pairs_jsonl(tmp / "pairs.jsonl")), tokenizer=str(model_dir), val_fraction=0
+    )
     return SimpleNamespace(
         policy=policy, reference=reference, batch=batch, loss=loss, metrics=metrics, ours=ours
     )
@@ -143,17 +145,18 @@ def test_a_pair_cut_away_is_dropped_and_counted(tmp_path, capsys):
     model_dir = write_tiny_llama(tmp_path / "llama")
     long_prompt = {"prompt": " ".join(["what do cats say ?"] * 12), "chosen": "meow .", "rejected": "one ."}
     data = write_pairs_jsonl(tmp_path / "pairs.jsonl", [*PAIRS[:3], long_prompt])
-    splits = hf_preference(str(data), tokenizer=str(model_dir), max_length=40)
+    splits = hf_preference(str(data), tokenizer=str(model_dir), max_length=40, val_fraction=0)
     assert len(splits.train) == 3
     assert "data: 1 of 4 pairs dropped" in capsys.readouterr().out
 
 
 @pytest.mark.slow
 def test_dpo_trains_the_same_weights_on_every_layout(tmp_path):
-    """2 ranks x ZeRO 0 (frozen copy) / 3 (precomputed reference) x accumulation 1 / 2: plain
-    torch's weights, loss and reward metrics after two SGD steps (fp32)."""
+    """2 ranks x ZeRO 0 / 3 x accumulation 1 / 2, the reference a frozen copy, stored
+    log-probabilities or (LoRA) the model with adapters disabled: plain torch's weights, loss and
+    reward metrics after two SGD steps on one process (fp32, 1e-5)."""
     script_results = run_layout_script(tmp_path, ranks=2, timeout=240, script="dpo_invariance.py")
-    assert all(r["moved"] > 1e-3 for r in script_results)
+    assert all(moved > 1e-3 for r in script_results for moved in r["moved"].values())
     assert len(script_results[0]["errors"]) == 4
 
 

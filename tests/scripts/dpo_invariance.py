@@ -1,11 +1,12 @@
 """Run under torchrun (or alone): two SGD steps of DPO on the same global batch of 8 pairs (a
 tiny Llama, fp32) for ZeRO 0 and 3 x accumulation 1 and 2 must give plain torch's weights (the
-loss a mean over the global batch's pairs) and log its loss and reward metrics. ZeRO-0 uses a
-frozen reference copy, ZeRO-3 reference log-probabilities computed before training.
+loss a mean over the global batch's pairs) and log its loss and reward metrics. The full model
+at ZeRO-0 uses a frozen reference copy, at ZeRO-3 reference log-probabilities computed before
+training; a LoRA model (peft) uses itself with its adapters disabled.
 
-Usage: dpo_invariance.py OUT_DIR. Writes OUT_DIR/rank<R>.json: {"errors": {"zero<S> acc<A>":
-[max weight error, max loss error, max reward-metric error]}, "moved": how far plain torch
-moved the weights}.
+Usage: dpo_invariance.py OUT_DIR. Writes OUT_DIR/rank<R>.json: {"errors": {"<model> zero<S>
+acc<A> <reference>": [max weight error, max loss error, max reward-metric error]}, "moved":
+{model: how far plain torch moved its weights}}.
 """
 
 import copy
@@ -31,10 +32,33 @@ collate = PairCollator(tok.pad_token_id)
 base = tiny_llama(tok, seed=0)
 
 
-def plain_torch():
-    """Weights, losses and reward metrics of plain torch on the whole batch."""
-    model, reference = copy.deepcopy(base), copy.deepcopy(base).eval()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+def lora_policy():
+    """The base model with LoRA adapters whose B matrices are not zero (the policy differs from
+    its reference, the base, from the first step)."""
+    import peft
+
+    torch.manual_seed(1)  # lora_A's initialisation
+    model = peft.get_peft_model(
+        copy.deepcopy(base),
+        peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
+    )
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+    return model
+
+
+def full_policy():
+    return copy.deepcopy(base)
+
+
+def plain_torch(make_policy):
+    """Weights, losses and reward metrics of plain torch on the whole batch, the reference being
+    the base model."""
+    model, reference = make_policy(), copy.deepcopy(base).eval()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     batch, logs = collate(pairs), []
     for _ in range(STEPS):
         with torch.no_grad():
@@ -58,37 +82,47 @@ class Logged(Callback):
             self.logs.append(dict(state.logs))
 
 
-want_weights, want_logs = plain_torch()
-errors = {}
+# (name, policy, ZeRO stage, accumulation, reference): a frozen copy, stored log-probabilities,
+# or (LoRA) the policy with its adapters disabled.
+CASES = [
+    ("full", full_policy, 0, 2, "copy"),
+    ("full", full_policy, 3, 1, "precompute"),
+    ("lora", lora_policy, 0, 1, "adapters"),
+    ("lora", lora_policy, 3, 2, "adapters"),
+]
+wanted = {name: plain_torch(make) for name, make in (("full", full_policy), ("lora", lora_policy))}
+errors, moved = {}, {}
 with ProcessContext.start("cpu") as process:
-    for stage in (0, 3):
-        for acc in (1, 2):
-            precompute = stage == 3
-            model = copy.deepcopy(base)
-            dpo = DPO(
-                beta=BETA,
-                precompute_reference=precompute,
-                reference=None if precompute else copy.deepcopy(base),
-            )
-            strategy = Strategy(sharding={"stage": stage}, gradient_merge={"k_steps": acc})
-            logged = Logged()
-            engine = Engine(
-                model, optimizer=lambda p: torch.optim.SGD(p, lr=LR), strategy=strategy, train_step=dpo,
-                process=process, callbacks=[logged],
-            )  # fmt: skip
-            data = pairs
-            if precompute:
-                engine.prepare("train", GLOBAL)
-                data = with_reference_logps(engine, pairs, 4, collate)
-            engine.fit(data, batch_size=GLOBAL, epochs=STEPS, shuffle=False, collate_fn=collate, log_freq=1)
-            got = engine.runtime.full_state_dict(on_every_rank=True)
-            assert len(logged.logs) == STEPS, logged.logs
-            weight_error = max((got[k] - v).abs().max().item() for k, v in want_weights.items() if k in got)
-            loss_error = max(abs(g["loss"] - w["loss"]) for g, w in zip(logged.logs, want_logs))
-            reward_error = max(
-                abs(g[k] - w[k]) for g, w in zip(logged.logs, want_logs) for k in RewardMeter.NAMES
-            )
-            errors[f"zero{stage} acc{acc}"] = [weight_error, loss_error, reward_error]
-            engine.close()
-    moved = max((v - base.state_dict()[k]).abs().max().item() for k, v in want_weights.items())
+    for name, make, stage, acc, reference in CASES:
+        want_weights, want_logs = wanted[name]
+        dpo = DPO(
+            beta=BETA,
+            precompute_reference=reference == "precompute",
+            reference=copy.deepcopy(base) if reference == "copy" else None,
+        )
+        strategy = Strategy(sharding={"stage": stage}, gradient_merge={"k_steps": acc})
+        logged = Logged()
+        engine = Engine(
+            make(), optimizer=lambda p: torch.optim.SGD(p, lr=LR), strategy=strategy, train_step=dpo,
+            process=process, callbacks=[logged],
+        )  # fmt: skip
+        data = pairs
+        if reference == "precompute":
+            engine.prepare("train", GLOBAL)
+            data = with_reference_logps(engine, pairs, 4, collate)
+        engine.fit(data, batch_size=GLOBAL, epochs=STEPS, shuffle=False, collate_fn=collate, log_freq=1)
+        got = engine.runtime.full_state_dict(on_every_rank=True)
+        assert len(logged.logs) == STEPS, logged.logs
+        assert set(got) == set(want_weights), sorted(set(got) ^ set(want_weights))[:5]
+        weight_error = max((got[k] - v).abs().max().item() for k, v in want_weights.items())
+        loss_error = max(abs(g["loss"] - w["loss"]) for g, w in zip(logged.logs, want_logs))
+        reward_error = max(
+            abs(g[k] - w[k]) for g, w in zip(logged.logs, want_logs) for k in RewardMeter.NAMES
+        )
+        errors[f"{name} zero{stage} acc{acc} {reference}"] = [weight_error, loss_error, reward_error]
+        engine.close()
+    start = {"full": full_policy().state_dict(), "lora": lora_policy().state_dict()}
+    moved = {
+        n: max((v - start[n][k]).abs().max().item() for k, v in w.items()) for n, (w, _) in wanted.items()
+    }
     (out_dir / f"rank{process.rank}.json").write_text(json.dumps({"errors": errors, "moved": moved}))
