@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from framework.data.labels import IGNORE_INDEX
-from framework.data.outputs import logits_of
+from framework.data.outputs import logits_of, takes_use_cache
 from framework.errors import ConfigError
 from framework.integrations.preference import adapters_disabled, has_adapters
 
@@ -50,7 +50,8 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, average: bool = F
     t's logits scoring label t + 1 (a causal LM); float32 whatever the logits' dtype."""
     logits, labels = logits[:, :-1].float(), labels[:, 1:]
     counted = labels != IGNORE_INDEX
-    picked = torch.gather(logits.log_softmax(-1), 2, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    # log p = logit - logsumexp(logits): no second vocabulary-sized tensor as log_softmax would make
+    picked = torch.gather(logits, 2, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
     total = (picked * counted).sum(-1)
     return total / counted.sum(-1).clamp_min(1) if average else total
 
@@ -97,11 +98,12 @@ def concatenated(batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, tor
 
 
 def pair_logps(
-    model: Any, batch: dict[str, Any], average: bool, output_key: str | None = None
+    model: Any, batch: dict[str, Any], average: bool, output_key: str | None = None, no_cache: bool = True
 ) -> tuple[Any, Any]:
-    """(chosen, rejected) sequence log-probabilities of `model` from one forward pass."""
+    """(chosen, rejected) sequence log-probabilities of `model` from one forward pass (`no_cache`:
+    a Hugging Face model is asked for no key/value cache)."""
     ids, mask, labels = concatenated(batch)
-    outputs = model(input_ids=ids, attention_mask=mask, use_cache=False)
+    outputs = model(input_ids=ids, attention_mask=mask, **({"use_cache": False} if no_cache else {}))
     chosen, rejected = sequence_logps(logits_of(outputs, output_key), labels, average).chunk(2)
     return chosen, rejected
 
@@ -175,7 +177,9 @@ class DPO:
     def losses(self, engine: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, ...]:
         """(losses, chosen rewards, rejected rewards) of the batch's pairs."""
         average = self.loss_type == "ipo"
-        chosen, rejected = pair_logps(engine.model, batch, average, engine.output_key)
+        chosen, rejected = pair_logps(
+            engine.model, batch, average, engine.output_key, takes_use_cache(engine.module)
+        )
         ref_chosen, ref_rejected = self.reference_logps(engine, batch, average)
         return dpo_losses(
             chosen, rejected, ref_chosen, ref_rejected, self.beta, self.loss_type, self.label_smoothing
@@ -188,7 +192,9 @@ class DPO:
             return tuple(batch[key].float() for key in REFERENCE_KEYS)  # type: ignore[return-value]
         if has_adapters(engine.module):
             with adapters_disabled(engine.module):
-                return pair_logps(engine.model, batch, average, engine.output_key)
+                return pair_logps(
+                    engine.model, batch, average, engine.output_key, takes_use_cache(engine.module)
+                )
         if self.reference is None:
             raise ConfigError(
                 "DPO has no reference model: set objective.precompute_reference=true, train adapters "
@@ -197,7 +203,7 @@ class DPO:
         if not self._placed:
             self.reference.to(engine.runtime.device)
             self._placed = True
-        return pair_logps(self.reference, batch, average, engine.output_key)
+        return pair_logps(self.reference, batch, average, engine.output_key, takes_use_cache(self.reference))
 
     def follow(self, model: torch.nn.Module) -> None:
         """Make the frozen reference the model as it is now (weights loaded after the copy was
@@ -225,7 +231,7 @@ def with_reference_logps(engine: Any, dataset: Any, batch_size: int, collate_fn:
         for start in range(0, len(dataset), batch_size):
             rows = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
             batch = engine.transfer(collate_fn(rows))
-            c, r = pair_logps(engine.model, batch, average, engine.output_key)
+            c, r = pair_logps(engine.model, batch, average, engine.output_key, takes_use_cache(engine.module))
             chosen.append(c.cpu())
             rejected.append(r.cpu())
     finally:
