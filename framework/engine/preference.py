@@ -221,6 +221,11 @@ def with_reference_logps(engine: Any, dataset: Any, batch_size: int, collate_fn:
     """`dataset` with each pair's reference log-probabilities, computed now by the model as it is
     (before training: the reference), `batch_size` pairs per forward pass. Every rank computes
     every pair (under ZeRO-3 the forward passes are collective, in the same order on all ranks)."""
+    if not hasattr(dataset, "__len__"):
+        raise ConfigError(
+            "objective.precompute_reference=true stores log-probabilities with map-style data, not a stream: "
+            "set data.dataset.streaming=false, or keep a frozen reference (precompute_reference=false)"
+        )
     objective = engine.train_step_fn
     average = getattr(objective, "loss_type", "sigmoid") == "ipo"
     engine.prepare("train")

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from framework.data.datasets.preference import hf_preference
-from framework.engine.preference import DPO, objective_for
+from framework.data.streams import Reader
+from framework.engine.preference import DPO, objective_for, with_reference_logps
 from framework.errors import ConfigError
 from tests.conftest import run_layout_script, run_train
 from tests.helpers.tiny_chat import tiny_chat_tokenizer, tiny_llama, write_tiny_llama
@@ -163,6 +164,18 @@ def test_a_pair_cut_away_is_dropped_and_counted(tmp_path, capsys):
     splits = hf_preference(str(data), tokenizer=str(model_dir), max_length=40, val_fraction=0)
     assert len(splits.train) == 3
     assert "data: 1 of 4 pairs dropped" in capsys.readouterr().out
+
+
+def test_a_pairs_stream_gives_the_map_style_rows(trl_batch, tmp_path):
+    model_dir = write_tiny_llama(tmp_path / "llama")
+    path = str(write_pairs_jsonl(tmp_path / "pairs.jsonl"))
+    streamed = hf_preference(path, tokenizer=str(model_dir), streaming=True, shards=1)
+    got = [item for item, _, _ in Reader(streamed.train, 0, 1, 0, {})]
+    assert streamed.valid is None and len(got) == len(trl_batch.ours.train) == 8
+    for item, row in zip(got, trl_batch.ours.train):
+        assert {k: v.tolist() for k, v in item.items()} == {k: v.tolist() for k, v in row.items()}
+    with pytest.raises(ConfigError, match="not a stream"):
+        with_reference_logps(None, streamed.train, 8, streamed.collate_fn)
 
 
 @pytest.mark.slow

@@ -13,7 +13,9 @@ label (cut before its first answer token) is dropped (counted, in one line).
 
 Rows are `{chosen_input_ids, chosen_labels, chosen_attention_mask, rejected_input_ids, ...}`;
 `PairCollator` pads a batch's chosen and rejected rows to one length (the DPO step runs them in
-one forward pass).
+one forward pass). With `streaming=True` the files are read as a `framework.data.streams.Stream`
+(never loaded whole, exact resume); reference log-probabilities cannot be stored with a stream
+(`objective.precompute_reference`), a frozen copy or adapters give them.
 """
 
 from __future__ import annotations
@@ -26,10 +28,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from framework.data.datasets.chat import ChatEncoder, _builder, _pad_id, _paths, _say, _where, chat_tokenizer
+from framework.data.datasets.chat import (
+    WHERE,
+    ChatEncoder,
+    _builder,
+    _pad_id,
+    _paths,
+    _say,
+    _Where,
+    _where,
+    chat_tokenizer,
+)
 from framework.data.datasets.classification import Splits
 from framework.data.datasets.hf import TokenizedSplits, load_local, with_tokenizer
 from framework.data.labels import IGNORE_INDEX, counts_nothing
+from framework.data.streams import DEFAULT_SHARDS, Stream
 from framework.errors import ConfigError
 
 SIDES = ("chosen", "rejected")
@@ -143,6 +156,44 @@ def _padded(values: torch.Tensor, length: int, fill: int) -> torch.Tensor:
     return torch.nn.functional.pad(values, (0, length - len(values)), value=fill)
 
 
+class PairRows:
+    """A stream's shard transform: each kept pair one row (`hf_preference(streaming=True)`)."""
+
+    def __init__(self, shards: int, encoder: PairEncoder):
+        self.shards, self.encoder = shards, encoder
+
+    def feed(self, position: int, example: Any, offset: int = 0) -> list[tuple[Any, tuple[int, int]]]:
+        """The pair's row (nothing when it is dropped; the first drop and every doubling of the
+        count said in one line, since a stream is never counted to its end)."""
+        pair = self.encoder.encode(example, str(example.get(WHERE, "a streamed row")))
+        if pair is None and self.encoder.dropped & (self.encoder.dropped - 1) == 0:
+            _say(
+                f"data: {self.encoder.dropped} of {self.encoder.seen} pairs read so far dropped: {self.encoder.why()}"
+            )
+        return [(pair, (position + self.shards, 0))] if pair is not None else []
+
+    def flush(self) -> list[tuple[Any, tuple[int, int]]]:
+        """Nothing is held back."""
+        return []
+
+
+def _stream(encoder: Any, paths: list[Path], builder: str | None, shards: int, seed: int) -> Stream:
+    """The pairs of the files as a `Stream` (never loaded whole; exact resume)."""
+    import datasets
+
+    parts = []
+    for path in paths:
+        kind = _builder(path, builder)
+        parts.append(load_local(kind, [path], streaming=True).map(_Where(path, kind), with_indices=True))
+    pairs = encoder()
+    rows = functools.partial(PairRows, encoder=pairs)
+    data = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+    collate = PairCollator(_pad_id(pairs.chat.tok))
+    return Stream(
+        data, rows, shards=shards, seed=seed, collate_fn=collate, info={"tokenizer": pairs.chat.tok}
+    )
+
+
 def _encode_files(
     encoder: PairEncoder, paths: list[Path], builder: str | None
 ) -> list[dict[str, np.ndarray]]:
@@ -176,15 +227,23 @@ def hf_preference(
     validation_files: Any = None,
     split_seed: int = 0,
     builder: str | None = None,
+    streaming: bool = False,
+    shards: int = DEFAULT_SHARDS,
+    seed: int = 0,
 ) -> TokenizedSplits:
     """Pairs of local JSONL / Parquet files (`builder` from the suffix) -> rows of a chosen and a
     rejected answer (see the module doc). Validation: `validation_files`, else `val_fraction` of
-    the pairs (a fixed split by `split_seed`); 0: none."""
+    the pairs (a fixed split by `split_seed`); 0: none. `streaming`: the files read as a
+    `framework.data.streams.Stream` (validation only from `validation_files`)."""
     if not 0.0 <= float(val_fraction) < 1.0:
         raise ConfigError(f"data.dataset.val_fraction={val_fraction}: must be in [0, 1)")
     tok = chat_tokenizer(tokenizer, chat_template)
     encoder = functools.partial(PairEncoder, tok, max_length, (prompt_column, chosen_column, rejected_column))
     held_out = _paths(validation_files, "validation_files") if validation_files is not None else None
+    if streaming:
+        valid = _stream(encoder, held_out, builder, shards, seed) if held_out is not None else None
+        splits = Splits(_stream(encoder, _paths(data_files), builder, shards, seed), valid)
+        return with_tokenizer(splits, tok, collate_fn=PairCollator(_pad_id(tok)))
     counted = encoder()
     pairs = _encode_files(counted, _paths(data_files), builder)
     counted.report("training " if held_out else "")
