@@ -265,7 +265,7 @@ def build_engine(cfg: DictConfig, runtime: Runtime, callbacks: list[Callback]) -
     objective = None
     if cfg.get("objective") is not None:  # +objective=dpo: a step over pairs in place of the loss
         options = OmegaConf.to_container(cfg.objective, resolve=True)
-        objective = preference.objective_for(model, runtime.strategy.sharding.stage, options)  # type: ignore[arg-type]
+        objective = preference.objective_for(model, options)  # type: ignore[arg-type]
     return Engine(
         model,
         loss=instantiate(cfg.loss),

@@ -21,7 +21,8 @@ whatever the layout (no item weighting, `framework.engine.items`, is needed).
 The reference log-probabilities come from, in this order: the batch (`reference_chosen_logps`
 and `reference_rejected_logps`, stored once before training by `with_reference_logps`, i.e.
 `objective.precompute_reference=true`); the policy itself with its adapters disabled (a `peft`
-model: no second copy); a frozen `reference` module (a copy made before DeepSpeed).
+model: no second copy); a frozen `reference` module (a copy made before DeepSpeed, under ZeRO-3
+handed to its own DeepSpeed engine at the first step, so partitioned like the policy).
 
 Each logged step gets TRL's reward metrics over the pairs since the last logging point, summed
 over ranks (`step_logs`): rewards/chosen, rewards/rejected (beta x (policy - reference)),
@@ -200,8 +201,8 @@ class DPO:
                 "DPO has no reference model: set objective.precompute_reference=true, train adapters "
                 "(+adapter=lora), or give DPO(reference=copy.deepcopy(model))"
             )
-        if not self._placed:
-            self.reference.to(engine.runtime.device)
+        if not self._placed:  # partitioned like the policy under ZeRO-3
+            self.reference = engine.runtime.frozen(self.reference)
             self._placed = True
         return pair_logps(self.reference, batch, average, engine.output_key, takes_use_cache(self.reference))
 
@@ -257,20 +258,21 @@ class WithReference(torch.utils.data.Dataset):
         return {**self.dataset[i], REFERENCE_KEYS[0]: self.chosen[i], REFERENCE_KEYS[1]: self.rejected[i]}
 
 
-def objective_for(model: torch.nn.Module, stage: int, options: dict[str, Any]) -> DPO:
-    """The `objective` config's DPO for `model` (not yet given to DeepSpeed) trained at ZeRO
-    `stage`: its reference is the model with adapters disabled (a `peft` model), the stored
-    log-probabilities (`precompute_reference`), or else a frozen copy made here; under ZeRO-3 a
-    copy would be whole on every rank, so it is refused in one line."""
+def objective_for(model: torch.nn.Module, options: dict[str, Any]) -> DPO:
+    """The `objective` config's DPO for `model` (not yet given to DeepSpeed): its reference is the
+    model with adapters disabled (a `peft` model), the stored log-probabilities
+    (`precompute_reference`), or else a frozen copy made here (under ZeRO-3 partitioned like the
+    model when training starts: `Runtime.frozen`). A model ZeRO-3 built partitioned (too large
+    for one rank) is not copied: refused in one line."""
     if options.get("name", "dpo") != "dpo":
         raise ConfigError(f"objective.name={options['name']}: the objective so far is dpo")
     options = {k: v for k, v in options.items() if k != "name"}
     reference = None
     if not options.get("precompute_reference") and not has_adapters(model):
-        if stage == 3:
+        if any(hasattr(p, "ds_id") for p in model.parameters()):  # built partitioned by zero.Init
             raise ConfigError(
-                "DPO under ZeRO-3 keeps no frozen reference copy (it would be whole on every rank): set "
-                "objective.precompute_reference=true, or train adapters (+adapter=lora)"
+                "DPO cannot copy a model built partitioned (too large for one rank) into a frozen reference: "
+                "set objective.precompute_reference=true, or train adapters (+adapter=lora)"
             )
-        reference = copy.deepcopy(model)
+        reference = copy.deepcopy(model)  # under ZeRO-3 partitioned by its own engine at the first step
     return DPO(**options, reference=reference)

@@ -21,8 +21,10 @@ from tests.helpers.tiny_pairs import PAIRS, write_pairs_jsonl
 
 
 def _as_step_host(model):
-    """What a training step uses of the Engine (`framework.engine.steps`'s documented subset)."""
-    return SimpleNamespace(model=model, module=model, output_key=None, runtime=SimpleNamespace(device="cpu"))
+    """What a training step uses of the Engine (`framework.engine.steps`'s documented subset), on
+    one process without DeepSpeed (the layout script runs the real runtime's `frozen`)."""
+    runtime = SimpleNamespace(frozen=lambda reference: reference.requires_grad_(False).eval())
+    return SimpleNamespace(model=model, module=model, output_key=None, runtime=runtime)
 
 
 def _messages(value, role):
@@ -136,7 +138,7 @@ def test_peft_reference_is_the_model_with_adapters_disabled(trl_batch):
         copy.deepcopy(base), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
     )
     batch = trl_batch.ours.collate_fn([trl_batch.ours.train[i] for i in range(8)])
-    dpo = objective_for(model, stage=3, options={"name": "dpo", "beta": 0.1})
+    dpo = objective_for(model, options={"name": "dpo", "beta": 0.1})
     assert dpo.reference is None
     assert dpo(_as_step_host(model), batch).item() == pytest.approx(math.log(2), abs=1e-6)
     with torch.no_grad():
@@ -153,8 +155,8 @@ def test_ipo_and_options_are_checked():
         DPO(loss_type="kto")
     with pytest.raises(ConfigError, match="objective.beta"):
         DPO(beta=0)
-    with pytest.raises(ConfigError, match="precompute_reference=true"):
-        objective_for(torch.nn.Linear(2, 2), stage=3, options={"beta": 0.1})
+    with pytest.raises(ConfigError, match="objective.name=kto"):
+        objective_for(torch.nn.Linear(2, 2), options={"name": "kto"})
 
 
 def test_a_pair_cut_away_is_dropped_and_counted(tmp_path, capsys):
@@ -180,12 +182,15 @@ def test_a_pairs_stream_gives_the_map_style_rows(trl_batch, tmp_path):
 
 @pytest.mark.slow
 def test_dpo_trains_the_same_weights_on_every_layout(tmp_path):
-    """2 ranks x ZeRO 0 / 3 x accumulation 1 / 2, the reference a frozen copy, stored
-    log-probabilities or (LoRA) the model with adapters disabled: plain torch's weights, loss and
-    reward metrics after two SGD steps on one process (fp32, 1e-5)."""
+    """2 ranks x ZeRO 0 / 3 x accumulation 1 / 2, the reference a frozen copy (under ZeRO-3
+    partitioned), stored log-probabilities or (LoRA) the model with adapters disabled: plain
+    torch's weights, loss and reward metrics after two SGD steps on one process (fp32, 1e-5); a
+    model ZeRO-3 built partitioned is not copied (one line)."""
     script_results = run_layout_script(tmp_path, ranks=2, timeout=240, script="dpo_invariance.py")
     assert all(moved > 1e-3 for r in script_results for moved in r["moved"].values())
-    assert len(script_results[0]["errors"]) == 4
+    assert len(script_results[0]["errors"]) == 5
+    assert all(r["reference_share"] < 0.6 for r in script_results)  # the ZeRO-3 copy is partitioned
+    assert all("objective.precompute_reference=true" in r["refused"] for r in script_results)
 
 
 @pytest.mark.slow

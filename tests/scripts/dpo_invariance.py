@@ -6,7 +6,9 @@ training; a LoRA model (peft) uses itself with its adapters disabled.
 
 Usage: dpo_invariance.py OUT_DIR. Writes OUT_DIR/rank<R>.json: {"errors": {"<model> zero<S>
 acc<A> <reference>": [max weight error, max loss error, max reward-metric error]}, "moved":
-{model: how far plain torch moved its weights}}.
+{model: how far plain torch moved its weights}, "refused": the line that refuses to copy a model
+built partitioned, "reference_share": the ZeRO-3 frozen copy's parameter elements on this rank /
+the whole model's}.
 """
 
 import copy
@@ -17,8 +19,17 @@ from pathlib import Path
 import torch
 
 from framework import Callback, Engine, ProcessContext, Strategy
+from framework.backend.runtime import Runtime
 from framework.data.datasets.preference import PairCollator, PairEncoder
-from framework.engine.preference import DPO, RewardMeter, dpo_losses, pair_logps, with_reference_logps
+from framework.engine.preference import (
+    DPO,
+    RewardMeter,
+    dpo_losses,
+    objective_for,
+    pair_logps,
+    with_reference_logps,
+)
+from framework.errors import ConfigError
 from tests.helpers.tiny_chat import tiny_chat_tokenizer, tiny_llama
 from tests.helpers.tiny_pairs import PAIRS
 
@@ -87,11 +98,12 @@ class Logged(Callback):
 CASES = [
     ("full", full_policy, 0, 2, "copy"),
     ("full", full_policy, 3, 1, "precompute"),
+    ("full", full_policy, 3, 2, "copy"),
     ("lora", lora_policy, 0, 1, "adapters"),
     ("lora", lora_policy, 3, 2, "adapters"),
 ]
 wanted = {name: plain_torch(make) for name, make in (("full", full_policy), ("lora", lora_policy))}
-errors, moved = {}, {}
+errors, moved, share = {}, {}, 1.0
 with ProcessContext.start("cpu") as process:
     for name, make, stage, acc, reference in CASES:
         want_weights, want_logs = wanted[name]
@@ -120,9 +132,22 @@ with ProcessContext.start("cpu") as process:
             abs(g[k] - w[k]) for g, w in zip(logged.logs, want_logs) for k in RewardMeter.NAMES
         )
         errors[f"{name} zero{stage} acc{acc} {reference}"] = [weight_error, loss_error, reward_error]
+        if reference == "copy" and stage == 3:  # the frozen copy's share of its parameters on this rank
+            params = list(dpo.reference.module.parameters())
+            share = sum(p.ds_tensor.numel() for p in params) / sum(p.ds_numel for p in params)
         engine.close()
+    runtime = Runtime(Strategy(sharding={"stage": 3}), process)
+    with runtime.init_context():
+        partitioned = torch.nn.Linear(4, 4)  # as ZeRO-3 builds a model too large for one rank
+    try:
+        objective_for(partitioned, {"beta": BETA})
+        refused = ""
+    except ConfigError as exc:
+        refused = str(exc)
     start = {"full": full_policy().state_dict(), "lora": lora_policy().state_dict()}
     moved = {
         n: max((v - start[n][k]).abs().max().item() for k, v in w.items()) for n, (w, _) in wanted.items()
     }
-    (out_dir / f"rank{process.rank}.json").write_text(json.dumps({"errors": errors, "moved": moved}))
+    (out_dir / f"rank{process.rank}.json").write_text(
+        json.dumps({"errors": errors, "moved": moved, "refused": refused, "reference_share": share})
+    )
