@@ -300,7 +300,7 @@ def _fit(cfg: DictConfig, engine: Engine, splits: Any, ckpt_dir: Path) -> dict[s
         except (CheckpointError, FileNotFoundError) as exc:
             raise type(exc)(f"trainer.init_from={t.init_from}: {exc}") from None
         if isinstance(engine.train_step_fn, preference.DPO):  # the reference starts from them too
-            engine.train_step_fn.follow(engine.module)
+            engine.train_step_fn.follow(engine.runtime)
     kwargs = build_fit_config(cfg, ckpt_dir, preempt, resume, main).as_kwargs()
     if kwargs["collate_fn"] is None:  # the data's own (e.g. padding for text classification)
         kwargs["collate_fn"] = getattr(splits, "collate_fn", None)

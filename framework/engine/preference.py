@@ -206,11 +206,12 @@ class DPO:
             self._placed = True
         return pair_logps(self.reference, batch, average, engine.output_key, takes_use_cache(self.reference))
 
-    def follow(self, model: torch.nn.Module) -> None:
-        """Make the frozen reference the model as it is now (weights loaded after the copy was
-        made: `trainer.init_from`); a reference of another kind needs nothing."""
-        if self.reference is not None:
-            self.reference.load_state_dict(model.state_dict())
+    def follow(self, runtime: Any) -> None:
+        """Make the frozen reference the trained model as it is now (weights loaded after the
+        copy was made: `trainer.init_from`), gathered whole from `runtime` (collective: every
+        rank calls it); a reference of another kind needs nothing."""
+        if self.reference is not None and not self._placed:
+            self.reference.load_state_dict(runtime.full_state_dict(on_every_rank=True))
 
     def step_logs(self, device: torch.device | None = None) -> dict[str, float]:
         """The reward metrics since the last logging point (collective; the loop calls it)."""
