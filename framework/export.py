@@ -3,6 +3,7 @@
     python -m framework.export CKPT_DIR OUT         # CKPT_DIR: a checkpoints dir (newest complete
                                                     # checkpoint) or one checkpoint in it
     python -m framework.export CKPT_DIR OUT_DIR --hf   # a Hugging Face save_pretrained directory
+    python -m framework.export CKPT_DIR OUT_DIR --adapter   # an adapter run's PEFT adapter directory
 
 ZeRO 1-3 shards are merged with DeepSpeed's own zero_to_fp32; a ZeRO-0 checkpoint already holds
 whole weights. A tensor-parallel checkpoint (ZeRO 1-3) is converted once to DeepSpeed's universal
@@ -15,6 +16,9 @@ checkpoint of a transformers model when OUT has no suffix) OUT_DIR gets `config.
 safetensors weights that `AutoModelForCausalLM.from_pretrained(OUT_DIR)` loads (tied weights
 kept tied), and the files of the tokenizer the run trained with (kept in the checkpoints dir by
 the CLI; `--tokenizer DIR` names another), so `AutoTokenizer.from_pretrained(OUT_DIR)` works too.
+A checkpoint of an adapter run (`+adapter=lora`) keeps the adapter's config: `--adapter` writes
+the adapter alone (`PeftModel.from_pretrained(base, OUT_DIR)`), `--hf` the base model with the
+adapter merged in; both from the consolidated fp32 weights, so from any ZeRO stage.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import re
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,14 +36,14 @@ from framework.backend import checkpoint_files, deepspeed_globals, expert_parall
 from framework.backend.weights import load_weights, save_weights
 from framework.checkpoint import safety, store
 from framework.errors import CheckpointError, ConfigError
-from framework.integrations import hf
+from framework.integrations import hf, peft
 from framework.integrations.hf import HF_CONFIG, HF_PREFIX, TOKENIZER_DIR
 from framework.process.environment import choose_accelerator
 
 
 def fp32_state_dict(ckpt: str | Path) -> dict[str, torch.Tensor]:
     """The full fp32 state dict of a checkpoint (a checkpoints dir or one checkpoint)."""
-    path = store.resolve(str(ckpt), None)
+    path = store.resolve(str(ckpt), None, name=f"checkpoint {ckpt}")
     if path is None:
         raise ConfigError(f"no complete checkpoint in {ckpt}")
     meta = store.check(path)
@@ -122,28 +127,16 @@ def _merged_zero0_shards(path: Path, tp: int) -> dict[str, torch.Tensor]:
     return {key: out[key] for key in shards[0]}
 
 
-def save_hf_directory(ckpt: str | Path, out: str | Path, tokenizer: str | Path | None = None) -> Path:
+def save_hf_directory(
+    ckpt: str | Path, out: str | Path, tokenizer: str | Path | None = None, base: str | Path | None = None
+) -> Path:
     """A `save_pretrained` directory from a checkpoint of a transformers model (its config was
-    saved with it): the model class from `config.architectures`, the fp32 weights, ties kept;
+    saved with it): the model class from `config.architectures`, the fp32 weights, ties kept (an
+    adapter run's: the base with the adapter merged in, see `save_adapter_directory` for `base`);
     the tokenizer's files from `tokenizer`, else from the checkpoints dir's `tokenizer/`."""
-    path = store.resolve(str(ckpt), None)
-    if path is None:
-        raise ConfigError(f"no complete checkpoint in {ckpt}")
-    if not (path / HF_CONFIG / "config.json").is_file():
-        raise ConfigError(
-            f"{path} holds no Hugging Face config ({HF_CONFIG}/): --hf exports transformers models only"
-        )
-    state = _hf_weights(path, fp32_state_dict(path))
-    with torch.random.fork_rng(devices=[]):
-        model = hf.model_from_config_dir(path / HF_CONFIG)
-    architecture = type(model).__name__
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
-    if unexpected or [k for k in missing if k not in tied]:
-        raise ConfigError(
-            f"{path}: the weights do not fit {architecture} (missing {missing[:3]}, unexpected {unexpected[:3]})"
-        )
-    model.tie_weights()
+    path = _checkpoint(ckpt)
+    adapter = peft.load_config(path)
+    model = peft.merged(_adapted(path, adapter, base)) if adapter is not None else _hf_model(path)
     model.save_pretrained(str(out), safe_serialization=True)
     generation = path / HF_CONFIG / "generation_config.json"
     if generation.is_file():
@@ -153,6 +146,72 @@ def save_hf_directory(ckpt: str | Path, out: str | Path, tokenizer: str | Path |
         raise ConfigError(f"--tokenizer {tokenizer}: no such directory")
     _copy_tokenizer(Path(tokenizer) if tokenizer else path.parent / TOKENIZER_DIR, Path(out))
     return Path(out)
+
+
+def save_adapter_directory(ckpt: str | Path, out: str | Path, base: str | Path | None = None) -> Path:
+    """A PEFT adapter directory (adapter_config.json, adapter_model.safetensors) from a checkpoint
+    of an adapter run, whatever its ZeRO stage: `PeftModel.from_pretrained(base, OUT)` loads it.
+    Such a checkpoint holds what trained; the frozen weights come from the base model's directory:
+    `base`, else the one the adapter's config names (`base_model_name_or_path`)."""
+    path = _checkpoint(ckpt)
+    adapter = peft.load_config(path)
+    if adapter is None:
+        raise ConfigError(
+            f"{path} is not from an adapter run (+adapter=lora): export it with --hf or to a file"
+        )
+    return peft.save_adapter(_adapted(path, adapter, base), Path(out))
+
+
+def _checkpoint(ckpt: str | Path) -> Path:
+    """The checkpoint `ckpt` names (a checkpoints dir: its newest complete one), of a transformers model."""
+    path = store.resolve(str(ckpt), None, name=f"checkpoint {ckpt}")
+    if path is None:
+        raise ConfigError(f"no complete checkpoint in {ckpt}")
+    if not (path / HF_CONFIG / "config.json").is_file():
+        raise ConfigError(
+            f"{path} holds no Hugging Face config ({HF_CONFIG}/): --hf and --adapter export transformers models only"
+        )
+    return path
+
+
+def _base(path: Path) -> Any:
+    with torch.random.fork_rng(devices=[]):
+        return hf.model_from_config_dir(path / HF_CONFIG)
+
+
+def _adapted(path: Path, adapter: Any, base: str | Path | None) -> Any:
+    """The adapted model of an adapter run's checkpoint: what trained from its fp32 state, the
+    frozen base from the base model's directory (`base` or the one the adapter names)."""
+    state = fp32_state_dict(path)
+    where = base or adapter.base_model_name_or_path
+    if where is None or not Path(where).is_dir():
+        named = (
+            f"{where} (the adapter's base_model_name_or_path) is not a directory here"
+            if where
+            else "none is named"
+        )
+        raise ConfigError(
+            f"{path} holds the adapter's weights only; its base model's weights are needed and {named}: "
+            "add --base DIR (the save_pretrained directory the run trained from)"
+        )
+    if Path(where).resolve() != Path(str(adapter.base_model_name_or_path)).resolve():
+        adapter.base_model_name_or_path = str(where)
+    return peft.rebuilt(hf.pretrained(Path(where), _base(path)), adapter, state)
+
+
+def _hf_model(path: Path) -> Any:
+    """The transformers model of a checkpoint, its fp32 weights loaded, ties kept."""
+    state = _hf_weights(path, fp32_state_dict(path))
+    model = _base(path)
+    architecture = type(model).__name__
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
+    if unexpected or [k for k in missing if k not in tied]:
+        raise ConfigError(
+            f"{path}: the weights do not fit {architecture} (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
+    model.tie_weights()
+    return model
 
 
 def _copy_tokenizer(source: Path, out: Path) -> None:
@@ -210,13 +269,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", help="output file: .safetensors, or a torch state dict for any other suffix")
     parser.add_argument("--hf", action="store_true", help="write a Hugging Face save_pretrained directory")
     parser.add_argument(
+        "--adapter", action="store_true", help="an adapter run's checkpoint: write a PEFT adapter directory"
+    )
+    parser.add_argument(
+        "--base", help="an adapter run's base model directory (default: the one its config names)"
+    )
+    parser.add_argument(
         "--tokenizer", help="with --hf: the tokenizer dir to copy (default: the one the run kept)"
     )
     args = parser.parse_args(argv)
     deepspeed_globals.quiet(accelerator=choose_accelerator("auto"))  # before DeepSpeed's import says which
     try:
-        if args.hf or (not Path(args.out).suffix and _has_hf_config(args.checkpoint)):
-            out = save_hf_directory(args.checkpoint, args.out, args.tokenizer)
+        if args.adapter:
+            out = save_adapter_directory(args.checkpoint, args.out, args.base)
+        elif args.hf or (not Path(args.out).suffix and _has_hf_config(args.checkpoint)):
+            out = save_hf_directory(args.checkpoint, args.out, args.tokenizer, args.base)
         else:
             out = save_weights(fp32_state_dict(args.checkpoint), args.out)
     except (ConfigError, CheckpointError) as exc:
@@ -232,11 +299,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _has_hf_config(ckpt: str) -> bool:
-    path = store.resolve(ckpt, None)
+    path = store.resolve(ckpt, None, name=f"checkpoint {ckpt}")
     return path is not None and (path / HF_CONFIG / "config.json").is_file()
 
 
-__all__ = ["fp32_state_dict", "load_weights", "main", "save_weights"]
+__all__ = [
+    "fp32_state_dict",
+    "load_weights",
+    "main",
+    "save_adapter_directory",
+    "save_hf_directory",
+    "save_weights",
+]
 
 if __name__ == "__main__":
     sys.exit(main())

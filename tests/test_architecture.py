@@ -58,6 +58,8 @@ ORDER = [
 ]
 # On top of the order: the model catalog and the two commands (`python -m framework.export / .plot`).
 TOP = {"models", "export", "plot"}
+# 0.1.0's module paths that moved: each only raises one ImportError naming its new home (tests/test_moved.py).
+MOVED = {"device", "metrics", "steps", "weights"}
 # Third-party packages that one framework package alone may import.
 OWNERS = {
     "deepspeed": "backend",
@@ -65,6 +67,7 @@ OWNERS = {
     "omegaconf": "cli",
     "transformers": "integrations",
     "wandb": "observe",
+    "peft": "integrations",
 }
 
 
@@ -85,7 +88,7 @@ def external_imports(path: Path) -> set[str]:
 
 
 def test_framework_has_few_top_level_entries():
-    entries = {p.name for p in PACKAGE.iterdir() if p.name != "__pycache__"}
+    entries = {p.name for p in PACKAGE.iterdir() if p.name != "__pycache__" and p.stem not in MOVED}
     packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
     assert packages == set(ORDER[1:]) | {"models"}, packages
     assert len(entries - {"__init__.py"}) <= 13, sorted(entries)
@@ -104,7 +107,7 @@ def test_packages_import_only_those_below_them():
     wrong = []
     for name, path in MODULES.items():
         here = package_of(name)
-        if here in TOP or here == "":
+        if here in TOP | MOVED or here == "":
             continue
         for dep in imports_of(path):
             there = package_of(dep)

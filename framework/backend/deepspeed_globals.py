@@ -16,7 +16,11 @@ from typing import Any
 
 def join(ctx: Any) -> None:
     """Make DeepSpeed use the context's accelerator and process group (`ctx`: a started
-    `framework.process.context.ProcessContext`); its cached groups go when the context closes."""
+    `framework.process.context.ProcessContext`); its cached groups go when the context closes.
+    Groups DeepSpeed cached for a process group destroyed without a context's close (the user's
+    `torch.distributed.destroy_process_group()`) are forgotten first."""
+    if _stale_groups():
+        forget_groups()
     use_accelerator(ctx.accelerator)
     import deepspeed
     import deepspeed.ops
@@ -85,6 +89,20 @@ def use_accelerator(choice: str) -> None:
         from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
 
         set_accelerator(CUDA_Accelerator())
+
+
+def _stale_groups() -> bool:
+    """Whether a process group DeepSpeed cached is no longer registered with torch.distributed."""
+    import torch.distributed as dist
+
+    groups = sys.modules.get("deepspeed.utils.groups")
+    for name, value in vars(groups).items() if groups is not None else ():
+        if name.startswith("_") and name.isupper() and isinstance(value, dist.ProcessGroup):
+            try:
+                dist.get_process_group_ranks(value)
+            except (ValueError, KeyError, RuntimeError):
+                return True
+    return False
 
 
 def forget_groups() -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 from framework.backend import parallel, recompute
 from framework.plan.cost import model_state_bytes, optimizer_state_bytes_per_param, param_counts, split_numel
+from framework.plan.run_plan import mesh_of
 from framework.plan.strategy import Strategy
 from framework.plan.tune import ModelFacts
 
@@ -56,11 +57,19 @@ def estimate(
 def model_facts(module: Any, strategy: Strategy, optimizer: Any, world_size: int) -> ModelFacts:
     """What an autotune search needs of `module` (`framework.plan.tune.ModelFacts`): its sizes,
     what tensor parallelism would split, whether it has blocks to recompute, the degrees it takes.
-    Works on a model built on the meta device (nothing is read but shapes)."""
+    Works on a model built on the meta device (nothing is read but shapes). What training would
+    refuse of `module` under `strategy` itself (`parallel.check_model`: a head count, the installed
+    transformers for expert parallelism) is said first, in its own words."""
+    parallel.check_model(strategy, mesh_of(strategy, world_size), module)
     numel, largest = param_counts(module)
     degrees = parallel.tp_degrees(module, world_size)
     split_strategy = strategy
-    if max(degrees) > 1 and strategy.tensor_parallel.degree == 1:  # what a degree > 1 would split
+    others = (
+        strategy.uses_pipeline or strategy.sequence_parallel.degree > 1 or strategy.expert_parallel.degree > 1
+    )
+    if (
+        max(degrees) > 1 and strategy.tensor_parallel.degree == 1 and not others
+    ):  # what a degree > 1 would split
         split_strategy = dataclasses.replace(
             strategy, tensor_parallel=dataclasses.replace(strategy.tensor_parallel, degree=max(degrees))
         )

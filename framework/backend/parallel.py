@@ -3,10 +3,13 @@
 The degrees live in the `Strategy`, the mesh of ranks in `framework.plan`; DeepSpeed's AutoTP,
 Ulysses and AutoEP do the splitting (their JSON keys in `framework.backend.ds_config`). This module reads
 the model: the head and expert counts a degree must divide (checked before DeepSpeed is built, a
-one-line error instead of a shape error deep in a forward), and which plan splits its linears.
+one-line error instead of a shape error deep in a forward), and which plan splits its linears
+(checked against the model's modules and shapes, the same way).
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 from torch import nn
@@ -15,7 +18,7 @@ from framework.backend import expert_parallel, sequence_parallel
 from framework.errors import ConfigError
 from framework.integrations.hf import is_hf_model
 from framework.plan.run_plan import Mesh
-from framework.plan.strategy import Strategy
+from framework.plan.strategy import Strategy, parse_tp_style, plan_regex
 
 # Where a model states its head and expert counts: Hugging Face config names, then ours.
 _HEADS = ("num_attention_heads", "n_head", "num_heads")
@@ -88,6 +91,9 @@ def check_model(strategy: Strategy, mesh: Mesh, module: nn.Module) -> None:
                     f"strategy.{name}.degree={degree} does not divide the model's {count} {what}; "
                     f"use a degree that divides {count}"
                 )
+    plan = tp_plan_of(strategy, module) if mesh.tp_size > 1 else None
+    if plan:
+        check_plan(plan, module, mesh.tp_size)
     if mesh.sp_size > 1:
         sequence_parallel.check_model(module, mesh.sp_size)
     if mesh.ep_size > 1:
@@ -103,6 +109,39 @@ def check_model(strategy: Strategy, mesh: Mesh, module: nn.Module) -> None:
                 f"use a degree that divides {experts}"
             )
         expert_parallel.check_transformers()
+
+
+def check_plan(plan: dict[str, str], module: nn.Module, degree: int) -> None:
+    """One line for a tensor-parallel plan entry that matches no module of `module` (a misspelt
+    name would leave its partner split alone: a shape error in the forward) and for a split
+    linear whose outputs (column) or inputs (row) the degree does not divide."""
+    weights = {name: _shape(m) for name, m in module.named_modules() if len(_shape(m)) == 2}
+    for pattern, style in plan.items():
+        kind, parts = parse_tp_style(f"strategy.tensor_parallel.plan[{pattern!r}]", style)
+        matched = [name for name in weights if re.match(plan_regex(pattern), f"{name}.weight")]
+        if not matched:
+            names = ", ".join(list(weights)[:8]) + (", ..." if len(weights) > 8 else "")
+            raise ConfigError(
+                f"strategy.tensor_parallel.plan[{pattern!r}] matches no module of {type(module).__name__} "
+                f"(its layers with weights: {names}); name modules as model.named_modules() does, * for one part"
+            )
+        dim, what = (0, "outputs") if kind == "column" else (1, "inputs")
+        for name in matched if kind != "replicate" else []:
+            size = weights[name][dim]
+            if size % (degree * parts):
+                split = (
+                    f"degree {degree} does not" if parts == 1 else f"{parts} parts x degree {degree} do not"
+                )
+                raise ConfigError(
+                    f"strategy.tensor_parallel.plan[{pattern!r}]={style!r}: {name} has {size} {what}, which "
+                    f"{split} divide; use a degree that divides {size // parts}, or replicate it"
+                )
+
+
+def _shape(module: nn.Module) -> tuple[int, ...]:
+    """The whole shape of a module's own weight (not yet split; ZeRO-3 may have partitioned it), () without one."""
+    weight = getattr(module, "weight", None)
+    return tuple(getattr(weight, "ds_shape", weight.shape)) if isinstance(weight, torch.Tensor) else ()
 
 
 def process_groups(mesh: Mesh, module: nn.Module | None = None) -> object | None:

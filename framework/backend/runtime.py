@@ -11,14 +11,23 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import types
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from framework.backend import deepspeed_globals, expert_parallel, parallel, weights, zero3_trace
+from framework.backend import (
+    checkpoint_files,
+    deepspeed_globals,
+    expert_parallel,
+    parallel,
+    weights,
+    zero3_trace,
+)
 from framework.backend import pipeline as pipeline_lib
 from framework.backend import recompute as recompute_lib
 from framework.backend.ds_config import deepspeed_config, zero_init_config
@@ -26,6 +35,7 @@ from framework.backend.placement import offload_optimizer
 from framework.backend.topology import Topology
 from framework.data.transfer import Copier
 from framework.errors import ConfigError
+from framework.integrations import peft
 from framework.plan.cost import largest_block, param_counts
 from framework.plan.run_plan import scheduler_for
 from framework.plan.strategy import Strategy, compute_dtype_name
@@ -43,6 +53,7 @@ class Runtime(Topology):
         self.deepspeed_engine: Any = None
         self.module: nn.Module | None = None  # the user's model
         self.parameters = 0  # the model's, counted whole before DeepSpeed splits it
+        self.trainable_parameters = 0  # of them, those with requires_grad (what the optimizer gets)
         self.load_universal = False  # the checkpoint to resume was written with another world size
         self.compute_dtype: torch.dtype = getattr(torch, compute_dtype_name(self.strategy))
         self.grad_norm_wanted = False  # ZeRO-0: compute the norm at the next step (costs a few %)
@@ -55,7 +66,7 @@ class Runtime(Topology):
     def init_context(self) -> contextlib.AbstractContextManager:
         """Context to construct a model in: `deepspeed.zero.Init` under ZeRO-3 (parameters are born
         partitioned, never whole on one rank), nothing otherwise."""
-        if self.strategy.sharding.stage != 3 or self.strategy.uses_pipeline:
+        if not self.strategy.partitions_parameters:
             return contextlib.nullcontext()
         import deepspeed
 
@@ -87,9 +98,14 @@ class Runtime(Topology):
         deepspeed_globals.quiet()
         parallel.check_model(self.strategy, self.mesh, module)
         self.module, self.parameters = module, param_counts(module)[0]
+        self.trainable_parameters = sum(
+            int(getattr(p, "ds_numel", p.numel())) for p in module.parameters() if p.requires_grad
+        )
         self.config = self.deepspeed_config_for(module)
         optimizer = offload_optimizer(self.strategy, optimizer, process)
         optimizer = expert_parallel.optimizer_with_expert_groups(self.strategy, optimizer)
+        if process.is_main and peft.is_adapted(module):
+            print(f"adapter: {peft.describe(module)}", flush=True)
         if self.strategy.recompute.enable and not self.strategy.uses_pipeline:
             recompute_lib.enable(module, say=process.is_main)
         if self.strategy.compile:
@@ -294,14 +310,27 @@ class Runtime(Topology):
 
     # ------------------------------------------------------------------ state
     def save_checkpoint(self, ckpt_dir: str, tag: str) -> None:
-        """DeepSpeed's own files of this rank (weights, optimizer, scheduler) under `ckpt_dir/tag`."""
-        self.deepspeed_engine.save_checkpoint(ckpt_dir, tag=tag, save_latest=False)
+        """DeepSpeed's own files of this rank (weights, optimizer, scheduler) under `ckpt_dir/tag`;
+        of an adapted model, only what trains (the frozen base is rebuilt from where it came)."""
+        self.deepspeed_engine.save_checkpoint(
+            ckpt_dir, tag=tag, save_latest=False, exclude_frozen_parameters=self.adapted
+        )
 
     def load_checkpoint(self, ckpt_dir: str, tag: str) -> Any:
         """Load what `save_checkpoint` wrote; returns DeepSpeed's load path (None: nothing loaded)."""
-        path, _ = self.deepspeed_engine.load_checkpoint(ckpt_dir, tag=tag)
+        path, _ = self.deepspeed_engine.load_checkpoint(
+            ckpt_dir, tag=tag, load_module_strict=not self.adapted
+        )
         expert_parallel.unshare_optimizer_steps(getattr(self.optimizer, "optimizer", None))
+        staged = Path(ckpt_dir) / tag / checkpoint_files.STATE_NAMES  # a conversion of SGD's states
+        if path is not None and staged.is_file():
+            checkpoint_files.restore_state_names(self.optimizer.optimizer, json.loads(staged.read_text()))
         return path
+
+    @property
+    def adapted(self) -> bool:
+        """True for a model wrapped with adapters (`peft`): only they train and are checkpointed."""
+        return peft.is_adapted(self.module)
 
     def optimizer_state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state (DeepSpeed's, partitioned under ZeRO)."""
@@ -318,7 +347,7 @@ class Runtime(Topology):
             optimizer.load_state_dict(state)
 
     def _is_zero3(self) -> bool:
-        return self.strategy.sharding.stage == 3 and not self.strategy.uses_pipeline
+        return self.strategy.partitions_parameters
 
     def frozen(self, module: nn.Module) -> Any:
         """A frozen model (a reference, never trained) laid out as the trained one: under ZeRO-3 its

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import math
-import random
 import shutil
 import time
 from collections.abc import Callable
@@ -17,12 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from framework.backend.weights import whole_shape
-from framework.checkpoint import preemption, safety, store
+from framework.checkpoint import preemption, rng, safety, store
 from framework.errors import CheckpointError, ConfigError
+from framework.integrations import peft
 from framework.integrations.hf import save_model_config
 from framework.observe.callbacks import Callback
 from framework.observe.metrics import Metrics
@@ -44,34 +43,6 @@ class Stateful:
     metrics: Metrics
 
 
-# ---------------------------------------------------------------------------- RNG
-
-
-def rng_state(device: torch.device) -> dict[str, Any]:
-    """This process's generators: Python, NumPy, torch's CPU one and the one of `device` (this rank's)."""
-    np_state: Any = np.random.get_state()
-    return {
-        "python": random.getstate(),
-        "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]],
-        "torch": torch.get_rng_state(),
-        "device": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-    }
-
-
-def restore_rng(saved: dict[str, Any], device: torch.device) -> None:
-    """Put back what `rng_state` returned (the generator of `device` only on a device of that kind)."""
-    random.setstate(_as_tuple(saved["python"]))
-    np_state = saved["numpy"]
-    np.random.set_state((np_state[0], np_state[1].numpy(), *np_state[2:]))
-    torch.set_rng_state(saved["torch"])
-    if saved.get("device") is not None and device.type == "cuda":
-        torch.cuda.set_rng_state(saved["device"], device)
-
-
-def _as_tuple(value: Any) -> Any:
-    return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
-
-
 # ---------------------------------------------------------------------------- save / load
 
 
@@ -80,7 +51,7 @@ def rank_state(parts: Stateful) -> dict[str, Any]:
     return {
         "loop": parts.state.state_dict(),
         "metrics": {"train": parts.metrics.train.state_dict(), "eval": parts.metrics.eval.state_dict()},
-        "rng": rng_state(parts.runtime.device),
+        "rng": rng.state(parts.runtime.device),
         "world_size": parts.runtime.world_size,
         "dp_size": parts.runtime.dp_size,
     }
@@ -213,6 +184,9 @@ def _save(parts: Stateful, ckpt_dir: Path, keep_last_k: int | None, reason: str)
             "time": time.time(),
         }
         store.mark_complete(path, meta)
+        if runtime.adapted and state.last_checkpoint is None:  # the run's first: say what it holds
+            size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+            print(peft.describe_checkpoint(size, runtime.module), flush=True)
         if keep_last_k:
             store.prune(ckpt_dir, keep_last_k)
     job.barrier(slow=True)  # rank 0 flushed, hashed and pruned: possibly long
@@ -252,10 +226,20 @@ def _load(parts: Stateful, path: Path) -> None:
     if same_layout:  # per-rank metric states and generators do not map onto another world size
         parts.metrics.train.load_state_dict(saved["metrics"]["train"], job.device)
         parts.metrics.eval.load_state_dict(saved["metrics"]["eval"], job.device)
-        restore_rng(saved["rng"], job.device)
+        rng.restore(saved["rng"], job.device)
         return
-    # Another layout: continue at the same sample of the epoch's order.
-    state.loader_state = _stream_position(path, meta, saved["loop"].get("loader_state"))
+    # Another layout: continue at the same sample of the epoch's order, with global epoch sums.
+    files = {rank: store.rank_file(path, rank) for rank in range(int(meta["world_size"]))}
+    every = {
+        rank: safety.load_safely(file) for rank, file in files.items() if file.is_file()
+    }  # `store.check`ed
+    state.load_loss_means([s["loop"] for s in every.values()])
+    tp = int(meta.get("tp_size", 1))  # a tensor-parallel group's ranks count the same samples: one of each
+    distinct = [s for rank, s in every.items() if rank % tp == 0]
+    for mode in ("train", "eval"):
+        merged = [s["metrics"][mode] for s in distinct]
+        parts.metrics.for_mode(mode).load_merged(merged, job.device, _takes_merged(runtime.mesh))
+    state.loader_state = _stream_position(list(every.values()), saved["loop"].get("loader_state"))
     consumed = state.batches_in_epoch * int(meta["micro_batch_size"]) * int(meta["dp_size"])
     assert runtime.layout is not None
     state.batches_in_epoch = consumed // (runtime.layout.micro_batch_size * runtime.dp_size)
@@ -263,15 +247,23 @@ def _load(parts: Stateful, path: Path) -> None:
     state.step_calls = state.batches_in_epoch // per_call
 
 
-def _stream_position(path: Path, meta: dict[str, Any], mine: Any) -> dict[str, Any] | None:
-    """A stream's position for another layout: every saving rank's shards, merged (a shard's
-    position holds on any layout: `framework.data.streams`); None for map-style data."""
+def _takes_merged(mesh: Mesh) -> bool:
+    """Whether this rank holds the merged metric states of a run saved on another layout: the
+    first data-parallel replica's (every tensor-parallel rank of it, which count the same samples
+    in the uninterrupted run too; one sequence-parallel rank; the pipeline's last stage)."""
+    last_stage = mesh.pipeline_stages == 1 or mesh.rank // mesh.dp_size == mesh.pipeline_stages - 1
+    return mesh.dp_rank == 0 and mesh.sp_rank == 0 and last_stage
+
+
+def _stream_position(every: list[dict[str, Any]], mine: Any) -> dict[str, Any] | None:
+    """A stream's position for another layout: every saving rank's shards (`every`: their rank
+    files), merged (a shard's position holds on any layout: `framework.data.streams`); None for
+    map-style data."""
     if not (isinstance(mine, dict) and "stream" in mine):
         return None
     shards: dict[Any, Any] = {}
-    for rank in range(int(meta["world_size"])):
-        theirs = safety.load_safely(store.rank_file(path, rank))["loop"].get("loader_state") or {}
-        shards.update(theirs.get("shards", {}))
+    for theirs in every:
+        shards.update((theirs["loop"].get("loader_state") or {}).get("shards", {}))
     return {**mine, "shards": shards}
 
 
@@ -336,6 +328,7 @@ class CheckpointManager(Callback):
         keep_last_k: int | None = 3,
         handle_preemption: bool = False,
         on_saved: Callable[[], None] | None = None,
+        grace_s: float | None = None,
     ):
         self.parts, self.ckpt_dir = parts, Path(ckpt_dir)
         self.every_n_steps, self.keep_last_k = every_n_steps, keep_last_k
@@ -343,11 +336,14 @@ class CheckpointManager(Callback):
         self.on_saved = on_saved
         self.last_saved_step = -1
         self._agreement = preemption.Agreement(parts.runtime.process) if handle_preemption else None
+        self._deadline = preemption.Deadline(grace_s)  # a step and a save against the grace time
         self._preempted = False
 
     def save_now(self, reason: str = "request") -> Path:
         """Write a checkpoint of the current step (collective)."""
+        began = time.perf_counter()
         path = save(self.parts, self.ckpt_dir, self.keep_last_k, reason)
+        self._deadline.saved(time.perf_counter() - began)
         self.last_saved_step = self.parts.state.global_step
         state = self.parts.state
         state.last_checkpoint, state.last_checkpoint_time = str(path), time.time()
@@ -364,6 +360,7 @@ class CheckpointManager(Callback):
 
     def on_step_end(self, state: LoopState) -> None:
         """Save on schedule or after preemption, at optimizer-step boundaries."""
+        self._deadline.step_ended()
         if self._agreement is not None and self._agreement.poll():
             self._preempted = True
         if state.global_step == self.last_saved_step or not self.parts.runtime.at_step_boundary():
@@ -375,8 +372,12 @@ class CheckpointManager(Callback):
             state.stop_reason = (
                 f"preempted ({preemption.signal_name()}): checkpoint saved at step {state.global_step}"
             )
+            state.stop_reason += self._deadline.report()
         elif self.every_n_steps and state.global_step % self.every_n_steps == 0:
             self.save_now("schedule")
+            late = self._deadline.late() if self._agreement is not None else None
+            if late and self.parts.runtime.process.is_main:
+                print(late, flush=True)
 
     def on_fit_end(self, state: LoopState) -> None:
         """One more checkpoint when training ends (unless this step was just saved); the lock goes back."""

@@ -243,11 +243,13 @@ def check(path: Path, process: ProcessContext | None = None) -> dict[str, Any]:
 
 
 def resolve(
-    resume: str | Path, ckpt_dir: str | Path | None, process: ProcessContext | None = None
+    resume: str | Path, ckpt_dir: str | Path | None, process: ProcessContext | None = None, name: str = ""
 ) -> Path | None:
     """`auto` -> the newest intact checkpoint in `ckpt_dir` (None if there is none, said in one
     line); a path -> that checkpoint (verified), or the newest intact one in that dir. Every rank
-    of `process` gets the same answer."""
+    of `process` gets the same answer. `name`: what the user gave it as, for the messages
+    (default `trainer.resume=<resume>`)."""
+    name = name or f"trainer.resume={resume}"
     if str(resume) == "auto":
         found = find_resumable(ckpt_dir, process) if ckpt_dir is not None else None
         if found is None and ranks(process).is_main:
@@ -255,13 +257,13 @@ def resolve(
         return found
     path = Path(resume)
     if not path.exists():
-        raise ConfigError(f"trainer.resume={resume}: no such checkpoint")
+        raise ConfigError(f"{name}: no such checkpoint")
     if TAG.match(path.name) or (path / COMPLETE).exists():
         check(path, process)
         return path
     found = find_resumable(path, process)
     if found is None:
-        raise ConfigError(f"trainer.resume={resume}: no complete checkpoint in that dir")
+        raise ConfigError(f"{name}: no complete checkpoint in that dir")
     return found
 
 
@@ -298,8 +300,10 @@ def _convert(path: Path, out: Path, meta: dict[str, Any]) -> None:
     files it finds in its output dir: only its own may be there), then put it in place as `out`."""
     remove_interrupted(out.parent)
     fresh = Path(tempfile.mkdtemp(prefix=f"{out.name}{CONVERTING}{os.getpid()}-", dir=out.parent))
+    staged = fresh.with_name(fresh.name + "-staged")  # SGD's states under Adam's names, when needed
     try:
-        cmd = checkpoint_files.universal_command(path, fresh, int(meta["zero_stage"]))
+        renamed = checkpoint_files.adam_shaped(path, staged)
+        cmd = checkpoint_files.universal_command(staged if renamed else path, fresh, int(meta["zero_stage"]))
         with watchdog.suspended(watchdog.LONG_WORK, "converting a checkpoint"):
             limit = watchdog.budget()  # stopped (SIGSTOP) or stuck, it is killed before the watchdog fires
             try:
@@ -319,6 +323,8 @@ def _convert(path: Path, out: Path, meta: dict[str, Any]) -> None:
             )
         for file in path.glob(RANK_FILE.format(rank=0).replace("00000", "*")):
             shutil.copy(file, fresh / file.name)
+        if renamed:
+            atomic_write(fresh / checkpoint_files.STATE_NAMES, json.dumps(renamed))
         atomic_write(fresh / COMPLETE, json.dumps(dict(meta, files=safety.digests(fresh))))
         if out.is_symlink() or out.is_file():
             out.unlink()
@@ -327,3 +333,4 @@ def _convert(path: Path, out: Path, meta: dict[str, Any]) -> None:
         fresh.rename(out)
     finally:
         shutil.rmtree(fresh, ignore_errors=True)
+        shutil.rmtree(staged, ignore_errors=True)

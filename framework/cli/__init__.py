@@ -8,7 +8,7 @@ plain dicts, never Hydra's global state.
 * `argv`       the command line as Hydra will see it (group choices, key typos);
 * `config`     the config schema (dataclasses in Hydra's ConfigStore) and its checks;
 * `build`      a composed config -> the Engine and its parts (the one place);
-* `construct`  building a model under ZeRO-3: whole or partitioned, exactly;
+* `construct`  the model node as arguments of the one builder (`framework.engine.construct`);
 * `report`     the files a run writes beside its metrics, and what `+dry_run=true` prints;
 * `sweep`      the summary of a multirun.
 """

@@ -61,6 +61,7 @@ def tune_job(cfg: DictConfig, output_dir: str) -> DictConfig | None:
     a = cfg.autotune
     out = Path(output_dir)
     base = build_strategy(cfg)
+    tune.check_searchable(base)
     if a.target.devices is not None:
         _on_paper(cfg, base, out)
         return None

@@ -31,6 +31,7 @@ from framework.cli.config import RENAMED, check_schema
 from framework.cli.report import RunFiles, print_plan
 from framework.data.datasets import as_splits
 from framework.engine import preference
+from framework.engine.construct import check_adapted
 from framework.engine.engine import Engine
 from framework.engine.fit_config import FitConfig
 from framework.errors import CheckpointError, ConfigError
@@ -63,6 +64,8 @@ def validate(cfg: DictConfig, world_size: int) -> Strategy:
     strategy = build_strategy(cfg)
     mesh_of(strategy, world_size)  # degrees that do not divide the processes: the strategy's error
     _with_key("trainer.batch_size", batch_layout, strategy, int(cfg.trainer.batch_size), world_size)
+    if cfg.get("adapter") is not None:
+        check_adapted(strategy)  # a parallelism adapters do not support: before any process starts
     return strategy
 
 
@@ -133,6 +136,7 @@ def build_fit_config(
         keep_last_k=t.checkpoint.keep_last_k,
         resume=resume,
         handle_preemption=handle_preemption,
+        preemption_grace_s=t.checkpoint.grace_s,
         peak_tflops=t.peak_tflops,
         timeout_s=float(t.timeout_s),  # a stuck rank ends the job within timeout_s
         progress=False,  # the logger group decides what the console shows
@@ -218,10 +222,11 @@ def _type_mismatch(node: Any, key: str) -> str | None:
     return None
 
 
-def _build_model(node: Any, runtime: Runtime) -> Any:
-    """The model, built as `strategy.sharding.init` says under ZeRO-3 (`framework.cli.construct`)."""
+def _build_model(node: Any, runtime: Runtime, adapter: Any = None) -> Any:
+    """The model, built as `strategy.sharding.init` says under ZeRO-3 and adapted with the
+    `adapter` node (`framework.cli.construct`)."""
     try:
-        return construct.build_model(node, runtime)
+        return construct.build_model(node, runtime, construct.adapter_config(adapter))
     except InstantiationException:
         mismatch = _type_mismatch(node, "model")
         if mismatch:
@@ -261,7 +266,7 @@ def _callbacks(cfg: DictConfig, out: Path, context: dict[str, Any], main: bool) 
 def build_engine(cfg: DictConfig, runtime: Runtime, callbacks: list[Callback]) -> Engine:
     """The model (built as the strategy says) and everything the Engine is given, from `cfg`."""
     t = cfg.trainer
-    model = _build_model(cfg.model, runtime)
+    model = _build_model(cfg.model, runtime, cfg.get("adapter"))
     objective = None
     if cfg.get("objective") is not None:  # +objective=dpo: a step over pairs in place of the loss
         options = OmegaConf.to_container(cfg.objective, resolve=True)

@@ -9,6 +9,7 @@ are checked against the target's signature when they are instantiated.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -36,6 +37,7 @@ GROUPS = (
     "hparams_search",
     "autotune",
     "objective",
+    "adapter",
 )
 
 
@@ -61,6 +63,7 @@ class CheckpointConfig:
     every_n_steps: int | None = None  # deprecated name of save_freq
     keep_last_k: int = 3  # complete checkpoints kept (older ones deleted); 0 keeps all
     dir: str | None = None  # default <output dir>/checkpoints; a stable path lets a re-submitted job find it
+    grace_s: float | None = None  # seconds from a preemption signal to the kill (Slurm's KillWait): checked
 
 
 @dataclass
@@ -135,6 +138,20 @@ class ObjectiveConfig:
 
 
 @dataclass
+class AdapterConfig:
+    """`+adapter=lora`: train LoRA adapters on a frozen model, with `peft` (framework.engine.construct)."""
+
+    r: int = 8  # rank of each adapter's two matrices
+    alpha: int = 16  # scaling numerator: the adapter's output is multiplied by alpha / r
+    dropout: float = 0.05  # dropout on the adapter's input (0: the update is deterministic)
+    target_modules: Any = (
+        "all-linear"  # module names to adapt, or all-linear: every linear layer but the output head
+    )
+    modules_to_save: list[str] | None = None  # modules trained whole beside the adapters (e.g. [lm_head])
+    use_dora: bool = False  # DoRA: weight-decomposed adapters (a magnitude per output feature)
+
+
+@dataclass
 class TrainConfig:
     """Everything one run needs."""
 
@@ -153,6 +170,7 @@ class TrainConfig:
     dry_run: bool = False  # print the per-rank memory estimate and the DeepSpeed config, then exit
     autotune: AutotuneConfig | None = None  # +autotune=search: choose the layout by trials first
     objective: ObjectiveConfig | None = None  # +objective=dpo: train on preference pairs, not loss=
+    adapter: AdapterConfig | None = None  # +adapter=lora: train adapters on the frozen model
 
 
 # Old key -> the name it has now (the Python API's, Paddle's): still accepted, with one line.
@@ -169,6 +187,10 @@ def register_configs() -> None:
     cs.store(name="train_schema", node=TrainConfig)
     # conf/hydra/launcher/slurm.yaml: request GPUs only for a run that uses them
     OmegaConf.register_new_resolver("slurm_gpus", slurm.gpus_per_node, replace=True)
+    # ${project_dir:}: the checkout holding train.py, conf/ and examples/ (shipped example files by path)
+    OmegaConf.register_new_resolver(
+        "project_dir", lambda: str(Path(__file__).resolve().parents[2]), replace=True
+    )
 
 
 # The smallest value each numeric key accepts (a float bound is exclusive); null stays allowed
@@ -191,6 +213,7 @@ MINIMUM: dict[str, int | float] = {
     "trainer.checkpoint.save_freq": 0,
     "trainer.checkpoint.every_n_steps": 0,
     "trainer.checkpoint.keep_last_k": 0,
+    "trainer.checkpoint.grace_s": 0.0,
     "data.num_workers": 0,
     "data.prefetch": 0,
     "strategy.gradient_clip.max_norm": 0,
@@ -251,7 +274,9 @@ def _dataclass_of(schema: type, f: Any) -> type | None:
 
     hints = typing.get_type_hints(schema)
     candidate = hints.get(f.name)
-    return candidate if isinstance(candidate, type) and dataclasses.is_dataclass(candidate) else None
+    # `X | None` (an optional group such as adapter or autotune): its keys are checked as X's
+    options = [candidate, *typing.get_args(candidate)]
+    return next((c for c in options if isinstance(c, type) and dataclasses.is_dataclass(c)), None)
 
 
 def schema_field(path: list[str]) -> tuple[Any, str] | None:

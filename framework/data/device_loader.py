@@ -92,18 +92,23 @@ class DeviceLoader:
         if self.agree is None:
             yield from source
             return
-        last = None
+        last, first = None, True
         while True:
             got = next(source, None)
+            if first and self.pad and not self.agree(got is not None) and not self.agree(got is None):
+                # some ranks have data and some none: every rank says so (none waits for a peer)
+                raise ConfigError(
+                    "a rank's share of the stream is empty (fewer samples than ranks): use fewer ranks "
+                    "or more data"
+                )
+            first = False
             more = not self.agree(got is None) if self.pad else self.agree(got is not None)
             if not more:
                 return
             if got is not None:
                 last = got
                 yield got
-            elif last is None:
-                raise ConfigError("this rank's share of the stream is empty: use fewer ranks or more data")
-            else:
+            elif last is not None:  # (after the first batch: a rank with none ended above)
                 yield last[0], 0  # padding: every sample of it is left out
 
 

@@ -23,14 +23,24 @@ is padded, not dropped: padding carries label -100, which no loss or item count 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from framework.data.labels import IGNORE_INDEX
+from framework.data.streams import whole_number
 
 Document = list[int] | tuple[list[int], list[int]]  # ids, or (ids, labels)
+
+
+def _check(block_size: Any, eos_id: Any, pad_id: Any) -> None:
+    """A block of at least one token, token ids that are ids (one line each, else `feed` of a
+    block of 0 tokens would never end)."""
+    whole_number("packed(block_size={})", block_size, 1)
+    whole_number("packed(eos_id={})", eos_id, 0)
+    whole_number("packed(pad_id={})", pad_id, 0)
 
 
 class Packer:
@@ -45,6 +55,7 @@ class Packer:
         keep_apart: bool = False,
         pad_id: int = 0,
     ):
+        _check(block_size, eos_id, pad_id)
         self.shards, self.tokenize, self.block_size = shards, tokenize, int(block_size)
         self.eos_id, self.keep_apart, self.pad_id = eos_id, keep_apart, pad_id
         # Tokens not yet in a block: (shuffled position, offset of the first, tokens, labels), in order.
@@ -160,9 +171,9 @@ def packed(
     pad_id: int = 0,
 ) -> Callable[[int], Packer]:
     """A `Stream(transform=...)`: each shard's documents tokenized by `tokenize(example) -> ids`
-    and packed into blocks (see the module doc)."""
-
-    def make(shards: int) -> Packer:
-        return Packer(shards, tokenize, block_size, eos_id, keep_apart, pad_id)
-
-    return make
+    and packed into blocks (see the module doc). Picklable when `tokenize` is (a spawned loader
+    worker gets it by pickling)."""
+    _check(block_size, eos_id, pad_id)
+    return functools.partial(
+        Packer, tokenize=tokenize, block_size=block_size, eos_id=eos_id, keep_apart=keep_apart, pad_id=pad_id
+    )

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from framework.data.streams import Reader, Resume, Stream
+from framework.data.streams import Reader, Resume, Stream, whole_number
 from framework.errors import CheckpointError, ConfigError
 
 
@@ -76,20 +76,34 @@ class _Readers(torch.utils.data.IterableDataset):
         self.stream, self.dp_size, self.dp_rank = stream, dp_size, dp_rank
         self.epoch, self.resume, self.first = epoch, resume, first
 
-    def __iter__(self) -> Iterator[tuple[list[tuple[Any, int, Resume]], int, bool]]:
+    def __iter__(self) -> Iterator[tuple[list[tuple[Any, int, Resume]], int, int | None]]:
         """Groups of this reader's items (one message per group from a worker), with the
-        reader's index among the rank's workers; the last group is marked."""
+        reader's index among the rank's workers; the last group comes with the pass's source
+        examples (`Reader.total`: -1 when the reader did not read to the source's end)."""
         info = torch.utils.data.get_worker_info()
         workers, index = (info.num_workers, info.id) if info is not None else (1, 0)
         worker = (index + self.first) % workers
         reader = self.dp_rank + self.dp_size * worker
         group: list[tuple[Any, int, Resume]] = []
-        for item in Reader(self.stream, reader, self.dp_size * workers, self.epoch, self.resume):
+        source = Reader(self.stream, reader, self.dp_size * workers, self.epoch, self.resume)
+        for item in source:
             group.append(item)
             if len(group) == GROUP:
-                yield group, worker, False
+                yield group, worker, None
                 group = []
-        yield group, worker, True
+        yield group, worker, -1 if source.total is None else source.total
+
+
+def _one_line_errors(groups: Iterator[Any]) -> Iterator[Any]:
+    """The workers' groups; a ConfigError a loader worker raised (which torch hands on with the
+    worker's traceback in its message) as its own one line."""
+    try:
+        yield from groups
+    except ConfigError as exc:
+        lines = str(exc).strip().splitlines()
+        if len(lines) < 2 or "Original Traceback" not in str(exc):
+            raise
+        raise ConfigError(lines[-1].split("ConfigError: ", 1)[-1]) from None
 
 
 class StreamLoader:
@@ -106,6 +120,8 @@ class StreamLoader:
         drop_last: bool = True,
         collate_fn: Callable | None = None,
     ):
+        whole_number("micro_batch_size={}", micro_batch_size, 1)
+        whole_number("num_workers={} (data.num_workers)", num_workers, 0)
         stream.readers(dp_size, num_workers)  # the layout divides the shards, or one line
         self.stream, self.batch_size = stream, int(micro_batch_size)
         self.dp_size, self.dp_rank, self.num_workers = dp_size, dp_rank, int(num_workers)
@@ -118,12 +134,13 @@ class StreamLoader:
         self._resume: dict[int, Resume] = {}
         self._state = self._snapshot(self._consumed, self._resume)
         self.last_size = 0  # items in the last batch handed out
+        self.total: int | None = None  # this pass's source examples, once a reader read them all
 
     # ------------------------------------------------------------------ position
     def set_epoch(self, epoch: int) -> None:
         """Pass `epoch` (its own shuffle) from its beginning, unless a loaded state is for it."""
         if epoch != self.epoch:
-            self.epoch, self._consumed, self._resume = epoch, 0, {}
+            self.epoch, self._consumed, self._resume, self.total = epoch, 0, {}, None
             self._state = self._snapshot(0, {})
 
     def _snapshot(self, consumed: int, resume: dict[int, Resume]) -> dict[str, Any]:
@@ -173,17 +190,27 @@ class StreamLoader:
         def owner(slot: int) -> int:  # the reader of this rank's slot, as its index among the workers
             return (slot - self.dp_rank) // self.dp_size % workers
 
-        for group, worker, done in groups:
+        for group, worker, total in _one_line_errors(groups):
             for item, slot, resume in group:
                 waiting[slot] = (item, resume)
-            if done:
+            if total is not None:
                 ended.add(worker)
+                self.total = total if total >= 0 else self.total
             while expected in waiting:
                 item, resume = waiting.pop(expected)
                 yield item, expected, resume
                 expected += self.dp_size
             if owner(expected) in ended:
                 return
+
+    def left_behind(self, total: int) -> int:
+        """Source examples of this rank's shards that a pass of `total` examples did not reach
+        (a document the last block handed out ended inside counts as reached only when done)."""
+        count, left = int(self.stream.shards), 0
+        for c in range(self.dp_rank, count, self.dp_size):
+            start = self._resume[c].position if c in self._resume else c
+            left += max(0, -(-(total - start) // count))
+        return left
 
     def _batches(self, items: Iterator[tuple[Any, int, Resume]]) -> Iterator[Any]:
         resume, shards = dict(self._resume), int(self.stream.shards)

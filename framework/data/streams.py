@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import pickle
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
@@ -39,6 +40,15 @@ from framework.errors import ConfigError
 DEFAULT_SHARDS = 64  # divides by every power of two up to 64 ranks x workers
 DEFAULT_CHUNK = 256  # source examples read together when nothing is shuffled
 SHUFFLE_WINDOW = 1000  # examples permuted at a time when a stream is shuffled and says no window
+
+
+def whole_number(written: str, value: Any, low: int) -> int:
+    """`value` as an int when it is a whole number >= `low`, else a one-line ConfigError that
+    shows it as the user wrote it: `written` with `{}` for the value (`data.dataset.shards={}`,
+    `Stream(shards={})`)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ConfigError(f"{written.format(repr(value))}: must be a whole number >= {low}")
+    return int(value)
 
 
 @dataclass(frozen=True)
@@ -113,12 +123,9 @@ class Stream:
     def __post_init__(self) -> None:
         if isinstance(self.data, Stream):
             raise ConfigError("Stream(...) takes the data itself, not another Stream")
-        if int(self.shards) < 1:
-            raise ConfigError(f"Stream(shards={self.shards}): a stream needs at least 1 shard")
-        if int(self.shuffle_window) < 0:
-            raise ConfigError(
-                f"shuffle_window={self.shuffle_window}: use 0 (no shuffle) or a window of examples"
-            )
+        whole_number("Stream(shards={})", self.shards, 1)
+        whole_number("Stream(shuffle_window={})", self.shuffle_window, 0)
+        whole_number("Stream(seed={})", self.seed, 0)
 
     @property
     def chunk(self) -> int:
@@ -166,7 +173,9 @@ def as_stream(data: Any, shuffle_window: int = 0, seed: int = 0) -> Stream:
 # ---------------------------------------------------------------------------------------- reading
 
 
-def _chunks(data: Any, size: int, start: Any, epoch: int) -> Iterator[tuple[Any, list[Any], Any]]:
+def _chunks(
+    data: Any, size: int, start: Any, epoch: int, files: Any = ()
+) -> Iterator[tuple[Any, list[Any], Any]]:
     """(source position at the chunk's start, its examples, position after it), from position
     `start` (None: the beginning). A Hugging Face `IterableDataset` (read through a copy made by
     pickling, so each reader has its own iteration state) and any source with `state_dict` / `load_state_dict` (a
@@ -183,12 +192,21 @@ def _chunks(data: Any, size: int, start: Any, epoch: int) -> Iterator[tuple[Any,
             plain.load_state_dict(start)
         position = start
         # Its public `iter`: its `__iter__` splits itself among torch's loader workers.
-        for batch in plain.iter(batch_size=size):
+        batches = plain.iter(batch_size=size)
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            except Exception as exc:
+                error = _unreadable(exc, plain, list(files))
+                if error is exc:
+                    raise
+                raise error from None
             examples = [dict(zip(batch, values)) for values in zip(*batch.values())]
             after = plain.state_dict()
             yield position, examples, after
             position = after
-        return
     if hasattr(data, "set_epoch"):
         data.set_epoch(epoch)
     stateful = callable(getattr(data, "state_dict", None)) and callable(
@@ -208,6 +226,29 @@ def _chunks(data: Any, size: int, start: Any, epoch: int) -> Iterator[tuple[Any,
         position = after
 
 
+def _unreadable(exc: Exception, source: Any, files: list[str]) -> Exception:
+    """A source file that cannot be parsed as one line naming it and the row (Hugging Face
+    `datasets` raises pyarrow's or pandas' error without the file, after logging it); any
+    other error as it is."""
+    if type(exc).__module__.split(".")[0] not in ("pyarrow", "pandas", "datasets", "json"):
+        return exc
+    shard = _innermost(source.state_dict(), "shard_idx")
+    where = files[shard] if isinstance(shard, int) and 0 <= shard < len(files) else "a data file"
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    row = re.search(r"in row (\d+)", first)
+    at = f"line {int(row.group(1)) + 1}" if row else "a row"
+    return ConfigError(f"{where}: {at} cannot be read ({first}); fix or remove it")
+
+
+def _innermost(state: Any, key: str) -> Any:
+    """The value of `key` in the innermost dict of a nested Hugging Face stream state."""
+    found = None
+    while isinstance(state, dict):
+        found = state.get(key, found)
+        state = state.get("examples_iterable")
+    return found
+
+
 @dataclass
 class _Shard:
     """One shard in a reader: its transform, where it resumes, and its items made, not handed out."""
@@ -224,6 +265,7 @@ class Reader:
 
     def __init__(self, stream: Stream, reader: int, readers: int, epoch: int, resume: dict[int, Resume]):
         self.stream, self.epoch = stream, epoch
+        self.total: int | None = None  # the pass's source examples, once this reader read them all
         self.shards = {
             c: _Shard(resume.get(c) or Resume(0, None, c), stream.shard_transform())
             for c in range(reader, int(stream.shards), readers)
@@ -232,9 +274,10 @@ class Reader:
     def __iter__(self) -> Iterator[tuple[Any, int, Resume]]:
         stream, shards, size = self.stream, self.shards, self.stream.chunk
         first = min(shards.values(), key=lambda s: s.resume.chunk).resume
-        chunks = _chunks(stream.data, size, first.state, self.epoch)
+        chunks = _chunks(stream.data, size, first.state, self.epoch, stream.info.get("files", ()))
         known: dict[int, Any] = {}  # chunk -> source position at its start
         index, ended = first.chunk, False
+        read = index * size  # source examples before the next chunk
         while True:
             c = min(shards, key=lambda k: (shards[k].resume.items, k))  # the next global slot
             shard = shards[c]
@@ -242,13 +285,13 @@ class Reader:
                 try:
                     start, examples, after = next(chunks)
                 except StopIteration:
-                    ended = True
+                    ended, self.total = True, read
                     for s in shards.values():
                         s.ready += s.transform.flush()
                     break
                 known[index], known[index + 1] = start, after
                 self._dispatch(index, examples)
-                index += 1
+                index, read = index + 1, read + len(examples)
             if not shard.ready:
                 return  # this reader's first empty slot: the pass ends there
             item, (position, offset) = shard.ready.pop(0)

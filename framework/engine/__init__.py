@@ -1,5 +1,6 @@
 """The Paddle-shaped API and the loops behind it: `Engine`, `DistModel` / `to_static`, `fit`,
-`evaluate`, `predict`, the fine-grained `dataloader -> prepare -> run`, step flavours.
+`evaluate`, `predict`, the fine-grained `dataloader -> prepare -> run`, step flavours, and the one
+place a model is made (`construct`: build -> adapt -> partition, for the CLI and the API alike).
 
 Rule: imports every package below it (`errors`, `process`, `integrations`, `plan`, `data`,
 `backend`, `observe`, `checkpoint`), never Hydra or DeepSpeed. The loops work against a small

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from framework.data.outputs import is_model_loss
+from framework.data.outputs import ModelLoss, is_model_loss
 from framework.data.streams import is_stream
 from framework.errors import ConfigError
 
@@ -77,3 +77,18 @@ def options_of(cls: type, options: dict[str, Any], call: str) -> None:
     unknown = [key for key in options if key not in valid]
     if unknown:
         raise ConfigError(f"{call} got unknown option(s) {unknown}; valid: {', '.join(valid)}")
+
+
+def check_pipeline(strategy: Any, loss: Any, train_step: Any, eval_step: Any) -> None:
+    """Under pipeline parallelism: a loss function (the last stage computes it), no custom steps."""
+    if not strategy.uses_pipeline:
+        return
+    if isinstance(loss, ModelLoss):
+        raise ConfigError(
+            "pipeline parallelism needs a loss function (the last stage computes it), not loss=model"
+        )
+    if train_step is not None or eval_step is not None:
+        raise ConfigError(
+            "custom training/validation steps cannot run with pipeline parallelism: "
+            "the pipeline engine drives the micro-batches itself"
+        )

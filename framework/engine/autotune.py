@@ -126,6 +126,7 @@ def search(
         raise ConfigError("autotune before the engine is prepared: call it before prepare(), fit() or run()")
     process = engine.runtime.start()
     base, world = engine.strategy, process.world_size
+    tune.check_searchable(base)
     limit = budget_gb(process, memory_gb)
     facts = model_facts(engine.module, base, engine.optimizer_spec, world)
     layouts = tune.candidates(base, facts, world, batch_size, space, offload_possible=process.cuda)

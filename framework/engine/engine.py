@@ -31,8 +31,8 @@ from framework.backend.ds_config import configures_optimizer
 from framework.backend.runtime import Runtime
 from framework.data.device_loader import DeviceLoader
 from framework.data.outputs import ModelLoss, is_model_loss
-from framework.engine import autotune, evaluation, fine_grained, loops
-from framework.engine.arguments import check_dataset, check_engine_arguments
+from framework.engine import autotune, construct, evaluation, fine_grained, loops
+from framework.engine.arguments import check_dataset, check_engine_arguments, check_pipeline
 from framework.engine.fine_grained import check_mode
 from framework.engine.fit_config import FitConfig, fit_config
 from framework.engine.steps import LossFunction, resolve_step
@@ -71,6 +71,8 @@ class Engine:
         label_key: the labels' key in dict batches (the model gets the rest as `model(**batch)`).
         output_key: the field of a dict / ModelOutput the loss and metrics read (default: `logits`
             when present, else the first tensor).
+        adapter: a `peft` config (`peft.LoraConfig(r=8)`): the model is wrapped with it and only the
+            adapter trains (a model wrapped by `peft.get_peft_model` works as it is).
     """
 
     def __init__(
@@ -92,13 +94,14 @@ class Engine:
         process: ProcessContext | None = None,
         label_key: str = "labels",
         output_key: str | None = None,
+        adapter: Any = None,
     ):
         check_engine_arguments(model, loss, optimizer, metrics, scheduler)
         if runtime is None:
             strategy = strategy if isinstance(strategy, Strategy) else Strategy(**(strategy or {}))
             runtime = Runtime(strategy, process)
         self.runtime = runtime
-        self.module = model
+        self.module = model = construct.adapt(model, adapter, runtime.strategy)
         self.label_key, self.output_key = label_key, output_key
         self.loss: Any = ModelLoss() if is_model_loss(loss) else None
         if loss is not None and self.loss is None:
@@ -108,15 +111,7 @@ class Engine:
         self.train_step_fn = resolve_step(train_step, model, "training_step")
         self.eval_step_fn = resolve_step(eval_step, model, "validation_step")
         self.predict_step_fn = resolve_step(predict_step, model, "predict_step")
-        if self.strategy.uses_pipeline and isinstance(self.loss, ModelLoss):
-            raise ConfigError(
-                "pipeline parallelism needs a loss function (the last stage computes it), not loss=model"
-            )
-        if self.strategy.uses_pipeline and (self.train_step_fn is not None or self.eval_step_fn is not None):
-            raise ConfigError(
-                "custom training/validation steps cannot run with pipeline parallelism: "
-                "the pipeline engine drives the micro-batches itself"
-            )
+        check_pipeline(self.strategy, self.loss, self.train_step_fn, self.eval_step_fn)
         self.callbacks = CallbackList(callbacks or [])
         self.seed, self.prefetch = seed, prefetch
         self.state = LoopState()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,8 @@ from framework.process.context import ProcessContext
 
 # A step that pulls no batch this many times in a row would never end an epoch.
 MAX_IDLE_CALLS = 10_000
+# A pass that leaves more than this share of a stream's source untrained says so at its end.
+LEFT_SHARE = 0.02
 # Micro-batches whose items the framework's step counts in one all-reduce, on the CPU.
 COUNT_AHEAD = 16
 
@@ -59,13 +62,12 @@ def train_epoch(
     pending: list[Any] = []  # losses of the optimizer step in progress (dropped if fp16 skips it)
     idle_calls = 0
     try:
-        while not st.stop_training:
-            if _epoch_over(st, batches, pipeline_calls, budget.steps_per_epoch) or data.stream_ended():
-                break
+        while not data.pass_over(st, pipeline_calls, budget.steps_per_epoch):
             fetched, boundaries, skipped = batches.fetched, runtime.global_steps, runtime.skipped_steps
             if speed is not None and not speed.measured and batches.peek() is not None:
                 speed.measure(batches.peek(), st.global_step)  # once, on the first batch
             events.fire(Event.STEP_START, st)
+            runtime.grad_norm_wanted = (st.global_step + 1) % max(1, log_freq) == 0  # ZeRO-0 computes it then
             try:
                 with speed.counting() if speed is not None else contextlib.nullcontext():
                     loss = apply_train_result(host, _timed(step, batches, speed))
@@ -76,6 +78,8 @@ def train_epoch(
             if loss is not None:
                 pending.append(loss)
             _after_step(host, pending, boundaries, skipped, log_freq, speed)
+            if st.log_now and isinstance(step, _DefaultStep) and step.counted is not None:
+                st.logs["counted_items"] = step.counted.items()  # e.g. the tokens the loss counted
             data.need = max(data.need, batches.fetched - fetched)
             idle_calls = idle_calls + 1 if batches.fetched == fetched and pipeline_calls is None else 0
             if idle_calls >= MAX_IDLE_CALLS:
@@ -85,6 +89,8 @@ def train_epoch(
         if isinstance(step, _DefaultStep):
             step.close()
         data.source.close()
+    if isinstance(loader, StreamLoader):
+        data.report_left(loader)
     return _epoch_logs(host, pending)
 
 
@@ -96,6 +102,7 @@ class _EpochData:
     def __init__(self, host: Host, loader: Any, budget: Budget):
         st, runtime = host.state, host.runtime
         self.stream, self.runtime = isinstance(loader, StreamLoader), runtime
+        self.ran_out = False  # the pass ended because the stream did (on some rank)
         self.need = runtime.strategy.accumulation_steps  # batches of the next optimizer step (or step call)
 
         def on_fetch(batch: Any) -> None:
@@ -111,12 +118,43 @@ class _EpochData:
         left = None if limit is None else limit - st.batches_in_epoch
         self.batches = data_lib.BatchIterator(self.source, on_fetch, left)
 
-    def stream_ended(self) -> bool:
-        """A stream's ranks end the pass together: at an optimizer-step boundary, unless every
-        rank has the next step's batches (a custom step may pull more: as many as it did)."""
+    def pass_over(self, st: LoopState, pipeline_calls: int | None, steps_per_epoch: int | None) -> bool:
+        """True when the pass has no step left: its budget spent (`_budget_over`), no batch left,
+        or training stopped. Over a stream,
+        whose ranks may run out at different steps, every way a pass ends is decided by all ranks
+        together at each optimizer-step boundary, in one collective: it goes on only when every
+        rank has the next step's batches (a custom step may pull more: as many as it did) and no
+        rank stops; training stops everywhere when it stops on one rank."""
+        budget_over = _budget_over(st, pipeline_calls, steps_per_epoch)
+        over = st.stop_training or budget_over or (pipeline_calls is None and self.batches.exhausted())
         if not self.stream or not self.runtime.at_step_boundary():
-            return False
-        return not self.runtime.process.all_ranks(len(self.batches.peek_many(self.need)) >= self.need)
+            return over
+        short = len(self.batches.peek_many(self.need)) < self.need
+        stop, end = self.runtime.process.agree(st.stop_training, over or short)
+        if stop and not st.stop_training:
+            st.stop_training, st.stop_reason = True, "training stopped on another rank"
+        self.ran_out = end and not stop and not budget_over
+        return stop or end
+
+    def report_left(self, loader: StreamLoader) -> None:
+        """At the end of a pass the stream ended (every rank takes part): how much of the source
+        the pass left untrained, when that is over `LEFT_SHARE` (a pass ends at its first empty
+        global slot, so shards of very different lengths leave the longer ones' tails)."""
+        if not self.ran_out:
+            return
+        process = self.runtime.process
+        total = -process.all_reduce_min(-(loader.total if loader.total is not None else -1))
+        if total <= 0:
+            return
+        left = round(process.all_reduce_mean(loader.left_behind(total)) * process.world_size)
+        if left > LEFT_SHARE * total and process.is_main:
+            print(
+                f"warning: this pass ended at its shortest shard's end and left {left:,} of {total:,} "
+                f"examples ({100 * left / total:.0f} %) untrained; shuffle (data.shuffle_window) or fewer "
+                "shards (data.dataset.shards) balance the shards",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def _cut_short(
@@ -148,26 +186,22 @@ def _epoch_logs(host: Host, pending: list[Any]) -> dict[str, Any]:
 def _batch_limit(host: Host, loader_batches: int | None, budget: Budget) -> int | None:
     """Micro-batches this epoch may hand out: the budget's for the framework's steps; for a
     custom step, which may pull any number per optimizer step, whole accumulations of the
-    loader (the epoch's optimizer steps are capped by `_epoch_over`). None: a stream's end."""
+    loader (the epoch's optimizer steps are capped by `_budget_over`). None: a stream's end."""
     if host.train_step_fn is None or host.runtime.strategy.uses_pipeline or loader_batches is None:
         return budget.batches_per_epoch
     acc = host.runtime.strategy.accumulation_steps
     return loader_batches // acc * acc
 
 
-def _epoch_over(
-    st: LoopState, batches: data_lib.BatchIterator, pipeline_calls: int | None, steps_per_epoch: int | None
-) -> bool:
-    """True when this epoch has no step left: max_steps reached, its optimizer steps taken, or
-    no batch left (a pipeline: its calls done, since a middle stage pulls no data)."""
+def _budget_over(st: LoopState, pipeline_calls: int | None, steps_per_epoch: int | None) -> bool:
+    """True when this epoch's step budget is spent (the same on every rank): max_steps reached,
+    its optimizer steps taken (a pipeline: its calls done, since a middle stage pulls no data)."""
     if st.max_steps is not None and st.global_step >= st.max_steps:
         st.stop_training, st.stop_reason = True, f"reached trainer.max_steps={st.max_steps}"
         return True
     if steps_per_epoch is not None and st.steps_in_epoch >= steps_per_epoch:
         return True
-    if pipeline_calls is not None:
-        return st.step_calls >= pipeline_calls
-    return batches.exhausted()
+    return pipeline_calls is not None and st.step_calls >= pipeline_calls
 
 
 def _timed(step: Callable[[], Any], batches: data_lib.BatchIterator, speed: Speedometer | None) -> Any:
@@ -207,6 +241,9 @@ def _after_step(
     st.logs = {"batches": st.batches_in_epoch, "lr": runtime.lr}
     if st.log_now:
         st.logs["loss"] = _reduced_window_loss(st, runtime.process)
+        norm = runtime.grad_norm  # of the gradients the last optimizer step received
+        if norm is not None:
+            st.logs["grad_norm"] = norm
         if st.skipped_steps:
             st.logs["skipped_steps"] = st.skipped_steps
         if speed is not None:
@@ -261,10 +298,13 @@ class _DefaultStep:
         self.steps_ahead = 1 if rt.process.cuda or stream else max(1, COUNT_AHEAD // self.acc)
         self.weights: list[Any] = []  # the counted micro-batches' weights still to use, in order
         self.windows: list[StepWeights] = []
+        self.steps: list[StepWeights | None] = []  # the optimizer step of each weight in `weights`
+        self.counted: StepWeights | None = None  # the step of the last micro-batch run
 
     def __call__(self) -> Any:
         if not self.weights:  # an optimizer step begins: count the items of its global batch (and more)
             self._count()
+        self.counted = self.steps.pop(0) if self.steps else None
         return default_train_step(self.host, next(self.batches), self.weights.pop(0))
 
     def _count(self) -> None:
@@ -280,6 +320,7 @@ class _DefaultStep:
             self.weights.extend(
                 functools.partial(found[i].__getitem__, j) if found else None for j in range(len(step))
             )
+            self.steps.extend((found[i] if found else None) for _ in step)
         if not self.weights:
             self.weights.append(None)  # no batch left: the step's next() ends the epoch
 

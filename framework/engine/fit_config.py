@@ -23,7 +23,8 @@ class FitConfig:
     (or `steps_per_epoch`), is shuffled `shuffle_window` examples at a time when `shuffle` is on,
     and `valid_steps` caps the batches of a validation (default: the whole validation data); with `save_dir`, a checkpoint every `save_freq` optimizer steps (0: only at
     the end), the newest `keep_last_k` kept; `resume` ("auto" or a path) continues one;
-    `handle_preemption` saves and stops at the next step boundary after SIGTERM; with `timeout_s`,
+    `handle_preemption` saves and stops at the next step boundary after SIGTERM (`preemption_grace_s`:
+    the seconds until the kill, which a measured step and save are checked against); with `timeout_s`,
     a rank that makes no progress for that long says so, with its threads' stacks, and exits 1
     (instead of waiting in a collective for torch's 30-minute default)."""
 
@@ -45,6 +46,9 @@ class FitConfig:
     keep_last_k: int | None = 3
     resume: str | None = None
     handle_preemption: bool = False
+    preemption_grace_s: float | None = (
+        None  # signal to kill: a measured step + save must fit (else a warning)
+    )
     peak_tflops: float | None = None  # the device's peak for MFU (default: table / measured)
     timeout_s: float | None = None  # a rank without progress this long ends the job (watchdog)
     progress: bool = (
@@ -58,6 +62,11 @@ class FitConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 allowed = "a whole number >= 1" + (", or None" if name in _OPTIONAL else "")
                 raise ConfigError(f"fit({name}={value!r}): {name} must be {allowed}")
+        grace = self.preemption_grace_s
+        if grace is not None and (
+            isinstance(grace, bool) or not isinstance(grace, (int, float)) or grace <= 0
+        ):
+            raise ConfigError(f"fit(preemption_grace_s={grace!r}): seconds > 0, or None")
         if not isinstance(self.shuffle_window, int) or self.shuffle_window < 0:
             raise ConfigError(f"fit(shuffle_window={self.shuffle_window!r}): a whole number of examples >= 0")
 

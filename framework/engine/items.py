@@ -108,6 +108,11 @@ class _Window:
             self._work.wait()
             self._work = None
 
+    def count(self, step: int) -> float:
+        """The global item count of the window's `step`-th optimizer step (reads it to the host)."""
+        self.settle()
+        return float(self._totals[step].item()) / self._copies
+
     def weights(self, step: int) -> list[torch.Tensor]:
         """The micro-batch weights of the window's `step`-th optimizer step."""
         if self._weights is None:
@@ -139,6 +144,10 @@ class StepWeights(Sequence[torch.Tensor]):
     def settle(self) -> None:
         """Finish the count's all-reduce (a step the epoch's end left unused still took part in it)."""
         self._window.settle()
+
+    def items(self) -> float:
+        """The items (e.g. counted tokens) of this optimizer step's whole global batch."""
+        return self._window.count(self._step)
 
 
 def window_weights(

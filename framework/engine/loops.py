@@ -121,6 +121,8 @@ def _epochs(
         if resuming:
             _restore_position(loader, st)
         logs = train_epoch(host, events, loader, budget, cfg.log_freq, resuming, speed)
+        if st.global_step == st.skipped_steps == 0 and not st.stop_training:  # a run that did not happen
+            raise ConfigError(_no_step(loader, cfg))
         preempted = st.stop_reason.startswith("preempted")  # leave at once: the job is being stopped
         if valid_data is not None and (epoch + 1) % cfg.valid_freq == 0 and not preempted:
             logs.update(_validate(host, events, valid_data, cfg, logs=logs))
@@ -137,6 +139,15 @@ def _epochs(
         )
 
 
+def _no_step(loader: Any, cfg: FitConfig) -> str:
+    """Why a pass trained no optimizer step, in one line."""
+    what = "the training stream" if isinstance(loader, StreamLoader) else "the training data"
+    return (
+        f"no optimizer step was trained: {what} ran out (on some rank) before one global batch of "
+        f"{cfg.batch_size} samples; give more data or a smaller batch size (trainer.batch_size)"
+    )
+
+
 def _start_run(host: Host, cfg: FitConfig, plan: RunPlan, has_valid: bool = False) -> None:
     runtime, st = host.runtime, host.state
     st.epochs, st.max_steps, st.global_batch_size = cfg.epochs, cfg.max_steps, cfg.batch_size
@@ -148,7 +159,7 @@ def _start_run(host: Host, cfg: FitConfig, plan: RunPlan, has_valid: bool = Fals
     )
     assert runtime.module is not None
     st.info.model_name = type(runtime.module).__name__
-    st.info.parameters = runtime.parameters
+    st.info.parameters, st.info.trainable_parameters = runtime.parameters, runtime.trainable_parameters
     st.info.strategy, st.info.world_size = runtime.strategy.describe(), runtime.world_size
     st.info.device_type, st.info.deepspeed_config = runtime.device.type, dict(runtime.config or {})
     warmup = warmup_note(host.scheduler_spec, plan.budget.total_steps) if host.scheduler_spec else None
@@ -188,7 +199,7 @@ def _fit_callbacks(
     if cfg.save_dir is not None:
         manager = checkpoint.CheckpointManager(
             parts, cfg.save_dir, cfg.save_freq, cfg.keep_last_k, cfg.handle_preemption,
-            on_saved=lambda: events.fire(Event.CHECKPOINT_SAVED, host.state),
+            on_saved=lambda: events.fire(Event.CHECKPOINT_SAVED, host.state), grace_s=cfg.preemption_grace_s,
         )  # fmt: skip
         manager.last_saved_step = host.state.global_step if resumed else -1
         events.extend([manager])

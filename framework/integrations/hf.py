@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from framework.errors import ConfigError
+from framework.integrations import peft
 
 HF_CONFIG = "hf_config"  # a Hugging Face model's config.json, for `framework.export --hf`
 HF_PREFIX = "weights_prefix"  # in HF_CONFIG: where the HF model sits in a wrapper's state dict ("lm.")
@@ -34,7 +35,8 @@ HF_PREFIX = "weights_prefix"  # in HF_CONFIG: where the HF model sits in a wrapp
 
 def save_model_config(module: Any, path: Path) -> None:
     """A Hugging Face model's config (and generation config) next to its weights, so an export
-    can write a `save_pretrained` directory; for a wrapper, also where the model's weights are."""
+    can write a `save_pretrained` directory; for a wrapper, also where the model's weights are;
+    for a `peft` model, the adapter's config (naming the base model) too."""
     found = hf_model_in(module)
     if found is None:
         return
@@ -46,6 +48,8 @@ def save_model_config(module: Any, path: Path) -> None:
         generation.save_pretrained(str(path / HF_CONFIG))
     if prefix:
         (path / HF_CONFIG / HF_PREFIX).write_text(prefix)
+    if peft.is_adapted(module):  # what `export --adapter` and `--hf` rebuild the adapted model from
+        peft.save_config(module, path)
 
 
 TOKENIZER_DIR = "tokenizer"  # in a checkpoints dir: the files of the tokenizer the run trained with
@@ -102,13 +106,16 @@ def _is_causal_lm(cls: type) -> bool:
 
 def predicts_next_token(module: Any) -> bool:
     """True for a Hugging Face causal LM: given `labels=`, its logits at position t are scored
-    against labels[t + 1] (it shifts them itself)."""
-    return "transformers" in sys.modules and _is_causal_lm(module.__class__)
+    against labels[t + 1] (it shifts them itself); seen through a `peft` wrapper."""
+    return "transformers" in sys.modules and _is_causal_lm(peft.base_model(module).__class__)
 
 
 def hf_model_in(module: Any) -> tuple[str, Any] | None:
     """(prefix, model): the Hugging Face model `module` is, or the one sub-module that is (a wrapper
-    around it); None when there is none, or several."""
+    around it); None when there is none, or several. A `peft` wrapper is seen through: its base
+    model, with the prefix of its weights in the wrapper's state dict."""
+    if peft.is_adapted(module):
+        return "base_model.model.", peft.base_model(module)
     if is_hf_model(module):
         return "", module
     found = [(name, m) for name, m in module.named_modules() if name and is_hf_model(m)]
@@ -117,6 +124,7 @@ def hf_model_in(module: Any) -> tuple[str, Any] | None:
 
 
 def _hf_model(module: Any) -> Any:
+    module = peft.base_model(module)
     if is_hf_model(module):
         return module
     return next((m for m in module.modules() if is_hf_model(m)), None)
@@ -137,6 +145,11 @@ def model_from_config_dir(path: Path, strict: bool = True) -> Any:
     return cls(config)
 
 
+def pretrained(path: Path, like: Any) -> Any:
+    """The model of a `save_pretrained` directory, of the class of `like` (its weights loaded)."""
+    return type(like).from_pretrained(str(path), local_files_only=True)
+
+
 @contextlib.contextmanager
 def zero3_construction(zero_config: dict[str, Any]) -> Iterator[None]:
     """Transformers' own ZeRO-3 path while the block runs: its models built (or loaded) inside it
@@ -148,6 +161,15 @@ def zero3_construction(zero_config: dict[str, Any]) -> Iterator[None]:
         yield
     finally:
         del keep_alive  # ZeRO-3 construction ends here
+
+
+def zero3_enabled() -> bool:
+    """True inside `zero3_construction` (transformers builds its models partitioned there)."""
+    if "transformers" not in sys.modules:
+        return False
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    return bool(is_deepspeed_zero3_enabled())
 
 
 def register_attention(

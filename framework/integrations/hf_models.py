@@ -4,7 +4,7 @@
     model=hf_sequence_classification model.path=DIR model.num_labels=3   # a classifier
     model=hf_gpt2 / model=hf_llama        # tiny models built from a config (conf/model/)
 
-Under ZeRO-3, when the model is built partitioned (see `framework.cli.construct`), transformers'
+Under ZeRO-3, when the model is built partitioned (see `framework.engine.construct`), transformers'
 own ZeRO-3 path loads and initialises it (its `HfDeepSpeedConfig` is active while this runs):
 `BUILDS_HF_MODELS` marks these factories for it.
 """

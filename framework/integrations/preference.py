@@ -8,10 +8,12 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from framework.integrations import peft
+
 
 def has_adapters(module: Any) -> bool:
     """True for a `peft` model (one whose adapters can be switched off)."""
-    return callable(getattr(module, "disable_adapter", None)) and hasattr(module, "peft_config")
+    return peft.is_adapted(module)
 
 
 @contextlib.contextmanager

@@ -56,6 +56,12 @@ def _throughput_summary(rates: dict[str, list[float]], state: LoopState) -> str:
     return text + " (mean over logging points)"
 
 
+def _trainable(info: Any) -> str:
+    """', 36,992 trainable' when fewer parameters train than the model has (an adapter run)."""
+    count = info.trainable_parameters
+    return f", {count:,} trainable" if 0 < count < info.parameters else ""
+
+
 class ConsoleLogger(Callback):
     """A live progress bar per epoch on a terminal (loss, lr, samples/s, ETA); plain periodic lines
     when stdout is not a terminal (CI, Slurm logs); a summary table at the end."""
@@ -81,7 +87,7 @@ class ConsoleLogger(Callback):
         info = state.info
         self._t0 = time.perf_counter()
         self.console.print(
-            f"[bold]{info.model_name}[/bold] ({info.parameters:,} parameters) | {info.strategy} | "
+            f"[bold]{info.model_name}[/bold] ({info.parameters:,} parameters{_trainable(info)}) | {info.strategy} | "
             f"{info.world_size} process(es) on {info.device_type} | global batch {state.global_batch_size} | "
             + (
                 f"{state.epochs} epoch(s) of {state.batches_per_epoch} batches per rank"

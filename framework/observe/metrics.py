@@ -61,6 +61,11 @@ class Accuracy(torch.nn.Module):
         self.correct.zero_()
         self.total.zero_()
 
+    def merge_state(self, incoming: dict[str, torch.Tensor]) -> None:
+        """Add another rank's counts (torchmetrics' `merge_state`)."""
+        self.correct += incoming["correct"].to(self.correct.device)
+        self.total += incoming["total"].to(self.total.device)
+
 
 def metric_name(metric: Any) -> str:
     """`MulticlassAccuracy` -> "accuracy"."""
@@ -163,6 +168,27 @@ class MetricSet:
                 if device is not None:
                     metric.to(device)
         self.updates = int(state["updates"])
+
+    def load_merged(self, states: list[dict[str, Any]], device: torch.device, take: bool) -> None:
+        """For a run on another number of ranks: what every saving rank's `state_dict` held, merged
+        into this rank when `take` (one rank of the new run takes it all, each metric's own
+        `merge_state`; the others start empty), so the value synced over the new ranks is the one
+        the saving run would have computed. The update count (counted alike on every rank) is kept."""
+        self.reset()
+        self.to(device)
+        for name, metric in self.metrics.items():
+            parts = [state["metrics"][name] for state in states if name in state["metrics"]]
+            for part in parts if take else []:
+                metric.merge_state({k: _to_device(v, device) for k, v in part.items()})
+        self.updates = int(states[0]["updates"])
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, list):
+        return [_to_device(v, device) for v in value]
+    return value
 
 
 def _integer(labels: Any) -> bool:

@@ -21,6 +21,7 @@ class RunInfo:
 
     model_name: str = ""
     parameters: int = 0
+    trainable_parameters: int = 0  # of them, those the optimizer updates (an adapter run's few)
     strategy: str = ""  # Strategy.describe()
     world_size: int = 1
     device_type: str = "cpu"
@@ -77,6 +78,14 @@ class LossMeter:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Put back what `state_dict` returned."""
         self.pending, self.sum, self.count = [], float(state["sum"]), int(state["count"])
+
+    def load_mean(self, states: list[dict[str, Any]]) -> None:
+        """For a run on another number of ranks: every saving rank's `state_dict`, as their mean
+        (the loss logged is the mean over ranks of each rank's mean, and every rank counts the
+        same steps), so the mean over the new ranks continues the saving run's."""
+        self.load_state_dict(
+            {"sum": sum(float(s["sum"]) for s in states) / len(states), "count": states[0]["count"]}
+        )
 
 
 # Counters that a checkpoint saves and a resumed run puts back.
@@ -174,6 +183,12 @@ class LoopState:
         self.history = state["history"]
         self.loader_state = state["loader_state"] if with_position else None
         self.checkpoints = {int(k): v for k, v in state.get("checkpoints", {}).items()}
+
+    def load_loss_means(self, states: list[dict[str, Any]]) -> None:
+        """The epoch's and the logging window's loss sums of every saving rank (`state_dict`s), as
+        their mean: for a run on another number of ranks."""
+        self.epoch_loss.load_mean([s["epoch_loss"] for s in states])
+        self.window_loss.load_mean([s["window_loss"] for s in states])
 
 
 TrainState = LoopState  # the name earlier versions used

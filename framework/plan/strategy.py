@@ -31,7 +31,7 @@ class Sharding:
     max_reuse_distance: Any = "auto"
     sub_group_size: Any = "auto"
     # ZeRO-3: build the model whole and let DeepSpeed partition it, or build it partitioned inside
-    # deepspeed.zero.Init (never whole on one rank); auto: whole when it fits (framework.cli.construct)
+    # deepspeed.zero.Init (never whole on one rank); auto: whole when it fits (framework.engine.construct)
     init: str = "auto"
 
 
@@ -227,6 +227,11 @@ class Strategy:
     def uses_pipeline(self) -> bool:
         """True when the model runs on DeepSpeed's pipeline engine."""
         return self.pipeline.stages > 1
+
+    @property
+    def partitions_parameters(self) -> bool:
+        """True when ZeRO-3 partitions the parameters (stage 3, never under the pipeline)."""
+        return self.sharding.stage == 3 and not self.uses_pipeline
 
     @property
     def model_parallel_degree(self) -> int:

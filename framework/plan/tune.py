@@ -178,6 +178,16 @@ def _allowed_space(space: Iterable[str]) -> set[str]:
     return chosen
 
 
+def check_searchable(base: Strategy) -> None:
+    """One line when `base` is a strategy whose layouts autotune does not search (the pipeline's):
+    said before anything else is asked of it (what tensor parallelism would split, say)."""
+    if base.uses_pipeline:
+        raise ConfigError(
+            "autotune: the pipeline engine's layout (stages x micro-batches) is not searched; "
+            "drop strategy.pipeline or tune without it"
+        )
+
+
 def candidates(
     base: Strategy,
     facts: ModelFacts,
@@ -189,11 +199,7 @@ def candidates(
     """Every layout of `space` that applies (see the module doc), `base`'s own values for the
     knobs left out; the batch divides under each."""
     chosen = _allowed_space(space)
-    if base.uses_pipeline:
-        raise ConfigError(
-            "autotune: the pipeline engine's layout (stages x micro-batches) is not searched; "
-            "drop strategy.pipeline or tune without it"
-        )
+    check_searchable(base)
     now = Layout.of(base)
     model_parallel = base.sequence_parallel.degree > 1 or base.expert_parallel.degree > 1
     tp_options = tuple(d for d in facts.tp_degrees if world_size % d == 0)

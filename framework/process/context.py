@@ -272,6 +272,15 @@ class ProcessContext:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._slow())
         return int(t.item()) == 0
 
+    def agree(self, stop: bool, end: bool) -> tuple[bool, bool]:
+        """(any rank's `stop`, any rank's `end`) on every rank, in one collective through the
+        gloo group as for `all_ranks` (a stream's ranks decide together how a pass ends)."""
+        if not self._grouped():
+            return stop, end
+        t = torch.tensor([int(stop), int(end)], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._slow())
+        return bool(t[0]), bool(t[1])
+
     # -------------------------------------------------------------- teardown
     def _in_its_group(self) -> bool:
         return dist.is_initialized() and dist.group.WORLD is self._world

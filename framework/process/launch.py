@@ -143,6 +143,7 @@ def spawn(entrypoint: Callable[..., Any], args: tuple[Any, ...], nproc: int, tim
     if threads_set:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     started = time.time()
+    _start_resource_tracker()
     try:
         results = _run_forwarding_signals(lambda: elastic_launch(config, entrypoint)(*args), started)
     except ChildFailedError as exc:
@@ -168,6 +169,21 @@ def spawn(entrypoint: Callable[..., Any], args: tuple[Any, ...], nproc: int, tim
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 STOP_GRACE_S = 30.0
+
+
+def _start_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker, which the workers share, ignoring USR1 and USR2 as
+    it ignores INT and TERM (an ignored signal stays ignored in the process it execs). Slurm signals
+    every process of the job: a tracker killed by USR1 was relaunched by the next process that
+    used it, which printed a KeyError traceback for each resource it had never seen."""
+    from multiprocessing import resource_tracker
+
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGUSR1, signal.SIGUSR2)}
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _workers() -> list[Any]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import multiprocessing
 import os
 import signal
 import socket
@@ -137,6 +138,9 @@ def _watch(rank: int) -> None:
         # The other ranks stopped making progress at about the same time: give their watchdogs a
         # moment to show their stacks too before this exit makes the launcher stop them.
         time.sleep(min(3.0, _state.timeout / 4))
+        for child in multiprocessing.active_children():  # loader workers: none outlives its rank
+            with contextlib.suppress(OSError, ValueError):
+                child.kill()
         os._exit(1)
 
 

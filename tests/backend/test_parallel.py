@@ -166,3 +166,23 @@ def test_tensor_and_data_parallel_on_four_ranks(tmp_path):
     """TP 2 x DP 2: the two replicas take different halves of the global batch."""
     results = run_layout_script(tmp_path, "gpt,llama", "tp2", "1,3", "2", "fit", ranks=4)
     assert len(results[0]["errors"]) == 2 * 2
+
+
+def test_a_plan_is_checked_against_the_model_before_deepspeed_is_built():
+    """A plan entry that matches nothing (all of them, or one misspelt name whose partner alone
+    would split: `mat1 and mat2 shapes cannot be multiplied`) and a split the degree does not
+    divide are one line each, naming the entry; a plan that fits passes."""
+    mesh, model = Mesh(2, 0, tp_size=2), MLP(in_features=8, hidden=[32, 33], num_classes=4)
+
+    def check(plan):
+        check_model(Strategy(tensor_parallel={"degree": 2, "plan": plan}), mesh, model)
+
+    check({"features.0": "column", "features.2": "row", "head": "replicate"})
+    with pytest.raises(ConfigError, match=r"plan\['blocks.\*.fc'\] matches no module of MLP .*features.0"):
+        check({"blocks.*.fc": "column", "blocks.*.proj": "row"})
+    with pytest.raises(ConfigError, match=r"plan\['feature.2'\] matches no module"):
+        check({"features.0": "column", "feature.2": "row"})
+    with pytest.raises(ConfigError, match="features.2 has 33 outputs, which degree 2 does not divide"):
+        check({"features.2": "column", "head": "row"})
+    with pytest.raises(ConfigError, match="head has 33 inputs"):
+        check({"features.2": "replicate", "head": "row"})

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,9 +17,10 @@ import psutil
 import pytest
 
 from framework import checkpoint
+from framework.checkpoint import preemption
 from framework.checkpoint.preemption import EXIT_PREEMPTED
 
-from ..conftest import FAST, ROOT, popen
+from ..conftest import FAST, ROOT, popen, run_cmd, torchrun
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -72,7 +74,8 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
 def test_a_preemption_signal_saves_and_ends_the_job_with_the_preempted_exit_code(
     tmp_path, signum, target, devices
 ):
-    proc = start([*FAST, "trainer.epochs=5", SLOW, f"trainer.devices={devices}"], tmp_path)
+    args = [*FAST, "trainer.epochs=5", SLOW, f"trainer.devices={devices}", "trainer.checkpoint.grace_s=30"]
+    proc = start(args, tmp_path)
     wait_for_steps(proc, tmp_path)
     signalled = time.monotonic()
     if target == "workers":
@@ -86,6 +89,8 @@ def test_a_preemption_signal_saves_and_ends_the_job_with_the_preempted_exit_code
     assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
     assert time.monotonic() - signalled < 30
     assert f"preempted ({signal.Signals(signum).name}): checkpoint saved at step" in out
+    took = re.search(r"saved at step \d+ (\d+\.\d) s after the signal, (-?\d+\.\d) s before grace_s=30", out)
+    assert took and float(took[1]) < 5 and float(took[2]) > 25, out[-2000:]  # the measured margin
     saved = checkpoint.find_resumable(tmp_path / "checkpoints")
     meta = json.loads((saved / "COMPLETE.json").read_text())
     assert meta["reason"] == "preempted" and 0 < meta["step"] < 110
@@ -104,3 +109,32 @@ def test_ctrl_c_ends_a_devices_2_job_with_130(tmp_path):
     finish(proc, timeout=60)
     assert proc.returncode == 130
     assert time.monotonic() - signalled < 30
+
+
+@pytest.mark.slow
+def test_the_checkpoint_comes_within_one_step_of_the_signal_whatever_the_step_time(tmp_path):
+    """Two ranks, a request on rank 1 in the middle of step 3: with steps of 0.3 s both agree at
+    the end of step 3 (the agreement waits for its all-reduce at such steps); with steps of
+    20 ms, which an all-reduce each would slow, both agree at the same step within ~0.75 s."""
+    script = str(ROOT / "tests" / "scripts" / "preemption_agreement.py")
+    run = run_cmd([*torchrun(2), script, str(tmp_path), "0.3", "0.02"], timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["0.3"]["step"] == ranks[1]["0.3"]["step"] == 3, ranks
+    assert ranks[0]["0.02"]["step"] == ranks[1]["0.02"]["step"], ranks
+    assert max(r["0.02"]["after_s"] for r in ranks) < 1.0, ranks
+
+
+def test_a_step_and_a_save_longer_than_the_grace_time_are_said_once():
+    deadline = preemption.Deadline(grace_s=1.0)
+    deadline.step_ended()
+    time.sleep(0.3)
+    deadline.step_ended()  # a step of 0.3 s
+    assert deadline.late() is None  # no save measured yet
+    deadline.saved(0.5)
+    assert deadline.late() is None  # 0.8 s fits in 1 s
+    deadline.saved(0.9)
+    late = deadline.late()
+    assert late is not None and "needs ~1.2 s" in late and "trainer.checkpoint.grace_s=1" in late
+    assert "\n" not in late and deadline.late() is None  # said once
+    assert preemption.Deadline(grace_s=None).late() is None

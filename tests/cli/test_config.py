@@ -297,3 +297,19 @@ def test_a_config_dir_that_does_not_exist_is_one_line(tmp_path, capsys):
         f"Error: --config-dir {tmp_path / 'conf'}: no such directory (leave -cd out to use the framework's "
         "own configs, or make that directory with yours)"
     )
+
+
+def test_the_adapter_group_composes_and_a_parallelism_it_lacks_is_refused_before_any_process(compose):
+    from framework.cli.build import validate
+    from framework.cli.construct import adapter_config
+
+    cfg = compose(
+        ["model=hf_llama", "+adapter=lora", "adapter.r=4", "adapter.target_modules=[q_proj,v_proj]"]
+    )
+    config = adapter_config(cfg.adapter)
+    assert (config.r, config.lora_alpha, sorted(config.target_modules)) == (4, 16, ["q_proj", "v_proj"])
+    assert compose().get("adapter") is None  # no adapter unless asked for
+    with pytest.raises(ConfigError, match="strategy.tensor_parallel.degree=1"):
+        validate(compose(["+adapter=lora", "+strategy=tp2", "trainer.devices=2"]), world_size=2)
+    with pytest.raises(ConfigError, match="unknown config key 'adapter.rank'"):
+        validate(compose(["+adapter=lora", "+adapter.rank=4"]), world_size=1)

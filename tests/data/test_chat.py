@@ -19,6 +19,7 @@ from framework.data.labels import IGNORE_INDEX  # noqa: E402
 from framework.data.stream_loader import StreamLoader  # noqa: E402
 from framework.data.streams import Reader  # noqa: E402
 from framework.engine.steps import forward_loss  # noqa: E402
+from tests.conftest import ROOT  # noqa: E402
 from tests.helpers.tiny_chat import (  # noqa: E402
     CONVERSATIONS,
     chat_template,
@@ -236,3 +237,15 @@ def test_a_template_whose_prefixes_are_not_beginnings_of_the_whole_asks_for_mark
         ConfigError, match=r"two.jsonl line 1: the chat template renders .* \{% generation %\} markers"
     ):
         hf_chat(str(path), tokenizer=chat.plain, chat_template=template, val_fraction=0)
+
+
+def test_the_shipped_tiny_chat_example_is_what_the_helper_makes(tmp_path):
+    """examples/tiny_chat (what experiment=lora_chat trains on) cannot drift from the tests' helper."""
+    from framework.integrations.hf import tokenizer_from
+    from tests.helpers.tiny_chat import CONVERSATIONS, tiny_chat_tokenizer
+
+    shipped = tokenizer_from(ROOT / "examples" / "tiny_chat")
+    made = tiny_chat_tokenizer(generation_markers=True)
+    assert shipped.get_vocab() == made.get_vocab() and shipped.chat_template == made.chat_template
+    rows = [json.loads(line)["messages"] for line in (ROOT / "examples" / "tiny_chat" / "chat.jsonl").open()]
+    assert rows == CONVERSATIONS

@@ -16,7 +16,7 @@ from framework.data.streams import Reader
 from framework.export import fp32_state_dict
 
 from ..checkpoint.test_checkpoint import SLOW, kill_after, records, start
-from ..conftest import ROOT, end_group, final_metrics, run_cmd, run_train, torchrun
+from ..conftest import ROOT, end_group, fails_cleanly, final_metrics, run_cmd, run_train, torchrun
 from ..scripts import stream_layout
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -96,3 +96,40 @@ def test_killed_twice_mid_stream_resumes_bit_for_bit(tmp_path, workers):
     for key in a:
         assert torch.equal(a[key], b[key]), f"{key} differs (killed at steps {first} and {second})"
     assert records(killed) == records(tmp_path / "full")
+
+
+# ------------------------------------------------------------------ issue 42: uneven shards on two ranks
+
+UNEVEN_RUN = ["model=hf_llama", "data=hf_stream", "data.dataset.builder=json", "loss=model", "metrics=none",
+              "trainer.batch_size=8", "trainer.max_steps=400", "trainer.epochs=1", "trainer.devices=2",
+              "data.dataset.shards=2", "data.shuffle=false", "trainer.valid_steps=1",
+              "trainer.timeout_s=20"]  # fmt: skip
+
+
+def test_two_ranks_whose_shards_differ_end_the_pass_together(tmp_path):
+    """Documents alternating ~2 KB and 60 bytes in 2 shards: rank 1's shard runs out after 2
+    optimizer steps, rank 0's holds ~150 more. The rank-local end of a pass left rank 1 in the
+    epoch's all-reduce and rank 0 in the agreement: a hang until trainer.timeout_s. Loader workers
+    (spawned under trainer.devices=2) failed to pickle the packer. Now the pass ends on both ranks
+    after 2 steps and says how much it left untrained. Then validation (one run for both cases,
+    to keep the suite's time): one document for two ranks left rank 1's share empty; that rank
+    left and rank 0 reported "Connection reset by peer"; both now stop with the framework's line."""
+    corpus, one = tmp_path / "uneven.jsonl", tmp_path / "one.jsonl"
+    short = "a short one of sixty bytes, more or less, said plainly here"
+    corpus.write_text(
+        "".join(json.dumps({"text": "word " * 400 if i % 2 == 0 else short}) + "\n" for i in range(40))
+    )
+    one.write_text(json.dumps({"text": "the only one"}) + "\n")
+    files = [
+        f"data.dataset.data_files={corpus}",
+        f"data.dataset.validation_files={one}",
+        "data.num_workers=1",
+    ]
+    run = run_train([*UNEVEN_RUN, *files, "trainer.log_freq=1"], tmp_path / "run", timeout=150)
+    text = run.stdout + run.stderr
+    assert "epoch 1/1 step 2 batch 2 " in text and "step 3" not in text, text[-3000:]
+    # rank 1's 8 blocks of 128 tokens are 17 documents of 60 tokens and part of an 18th: 3 of its 20
+    # documents are left, and all 20 of rank 0's (the 8 blocks it trained are inside its first)
+    assert "warning: this pass ended at its shortest shard's end and left 23 of 40 examples (58 %)" in text
+    fails_cleanly(run, "Error: a rank's share of the stream is empty (fewer samples than ranks)")
+    assert "Connection reset" not in text

@@ -275,3 +275,143 @@ def test_done_dataloader_iter_unsized():
         run.state.batches_fetched == len(TRAIN) // 64 // 2 * 2
         and run.state.global_step == len(TRAIN) // 64 // 2
     )
+
+
+# ------------------------------------------------------------------ issue 42: what a stream refuses
+
+
+def uneven_jsonl(path, docs=40, long_words=400):
+    """Documents alternating ~2 KB and a few bytes: with 2 shards, one shard packs ~600 times the
+    blocks of the other."""
+    with open(path, "w") as f:
+        for i in range(docs):
+            f.write(json.dumps({"text": "word " * long_words if i % 2 == 0 else "hi"}) + "\n")
+    return path
+
+
+def test_an_hf_stream_pickles_for_spawned_loader_workers(tmp_path):
+    """A `trainer.devices=N` job's loader workers are spawned, and get the stream by pickling: its
+    packer and tokenizer are module-level callables, and the copy reads the same blocks."""
+    import pickle
+
+    from framework.data.datasets.hf import hf_stream
+
+    splits = hf_stream(str(uneven_jsonl(tmp_path / "c.jsonl")), builder="json", block_size=32, shards=2)
+    copy = pickle.loads(pickle.dumps(splits.train))
+    first = [b["input_ids"].tolist() for b in StreamLoader(splits.train, 2, 1, 0)]
+    assert first and first == [b["input_ids"].tolist() for b in StreamLoader(copy, 2, 1, 0)]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"block_size": 0}, r"data.dataset.block_size=0: must be a whole number >= 1"),
+        ({"block_size": 2.5}, r"data.dataset.block_size=2.5: must be a whole number >= 1"),
+        ({"shards": 0}, r"data.dataset.shards=0: must be a whole number >= 1"),
+        ({"seed": -1}, r"data.dataset.seed=-1: must be a whole number >= 0"),
+        ({"val_every": 0}, r"data.dataset.val_every=0: must be a whole number >= 2"),
+        ({"val_every": 1}, r"data.dataset.val_every=1: must be a whole number >= 2"),
+        ({"builder": "jsn"}, r"data.dataset.builder=jsn: use one of text, json, parquet, csv"),
+    ],
+)
+def test_every_number_an_hf_stream_takes_is_checked_where_it_is_read(tmp_path, options, message):
+    """block_size=0 looped forever in the packer (memory running away); val_every=0 was a
+    ZeroDivisionError deep in a reader. Each is one line naming the key, before anything is read."""
+    from framework.data.datasets.hf import hf_stream
+
+    kwargs = {"builder": "json", **options}
+    with pytest.raises(ConfigError, match=rf"^{message}"):
+        hf_stream(str(uneven_jsonl(tmp_path / "c.jsonl")), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (
+            lambda: Packer(1, list, block_size=0, eos_id=0),
+            r"packed\(block_size=0\): must be a whole number >= 1",
+        ),
+        (
+            lambda: Packer(1, list, block_size=8, eos_id=-1),
+            r"packed\(eos_id=-1\): must be a whole number >= 0",
+        ),
+        (lambda: Stream([1, 2], shards=2.5), r"Stream\(shards=2.5\): must be a whole number >= 1"),
+        (lambda: Stream([1, 2], shuffle_window=-3), r"Stream\(shuffle_window=-3\): must be"),
+        (lambda: StreamLoader(Stream([1, 2], shards=1), 0, 1, 0), r"micro_batch_size=0: must be"),
+        (lambda: StreamLoader(Stream([1, 2], shards=1), 1, 1, 0, -1), r"num_workers=-1 \(data.num_workers\)"),
+    ],
+)
+def test_a_packer_stream_and_loader_refuse_numbers_that_cannot_work(make, message):
+    with pytest.raises(ConfigError, match=message):
+        make()
+
+
+@pytest.mark.parametrize("value", [0, 1, 1.5, "a"])
+def test_hf_text_refuses_a_validation_fraction_outside_0_1(tmp_path, value):
+    from framework.data.datasets.hf import hf_text
+
+    path = tmp_path / "t.txt"
+    path.write_text("some text\n" * 50)
+    with pytest.raises(
+        ConfigError, match=rf"data.dataset.val_fraction={value!r}: must be a number between 0 and 1"
+    ):
+        hf_text(str(path), val_fraction=value)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_malformed_json_line_is_one_line_naming_file_and_line(tmp_path, workers):
+    """A JSONL file with one broken line was 124 lines of pandas/pyarrow tracebacks (also from a
+    loader worker, which hands its traceback on inside the message)."""
+    from framework.data.datasets.hf import hf_stream
+
+    good, bad = uneven_jsonl(tmp_path / "good.jsonl"), tmp_path / "bad.jsonl"
+    lines = [json.dumps({"text": f"document {i}"}) for i in range(60)]
+    lines[50] = '{"text": "cut off'
+    bad.write_text("\n".join(lines) + "\n")
+    splits = hf_stream([str(good), str(bad)], builder="json", block_size=16, shards=2)
+    with pytest.raises(ConfigError) as caught:
+        list(StreamLoader(splits.train, 2, 1, 0, num_workers=workers))
+    text = str(caught.value)
+    assert text.startswith(f"{bad}: line 51 cannot be read (") and len(text.splitlines()) == 1, text
+
+
+class Uneven:
+    """A shard transform whose even source positions give 8 items and odd ones 1: with 2 shards,
+    shard 0 holds 8 times the items of shard 1."""
+
+    def __init__(self, shards):
+        self.shards = shards
+
+    def feed(self, position, example, offset=0):
+        return [(example, (position + self.shards, 0))] * (8 if position % 2 == 0 else 1)
+
+    def flush(self):
+        return []
+
+
+def test_a_pass_that_leaves_data_untrained_says_how_much(capsys):
+    """A pass ends at its first empty global slot: shards of very different lengths end it at the
+    shortest one's end (1 optimizer step of ~400 in the issue, without a word). It says how many
+    source examples it left, on one line; an even stream says nothing."""
+    data = Iterable([TRAIN[i] for i in range(640)])
+    run = engine()
+    run.fit(Stream(data, Uneven, shards=2), batch_size=64, max_steps=10**6, progress=False)
+    # slot 2p is shard 0's item p, 2p + 1 shard 1's: the pass ends after shard 1's 320 items,
+    # having used 320 / 8 = 40 of shard 0's 320 examples: 280 of 640 left (44 %)
+    assert run.state.global_step == 640 // 64
+    err = capsys.readouterr().err
+    assert "warning: this pass ended at its shortest shard's end and left 280 of 640 examples (44 %)" in err
+    even = engine()
+    even.fit(Stream(data, shards=2), batch_size=64, max_steps=10**6, progress=False)
+    assert even.state.global_step == 10 and "warning" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("samples", [0, 40])
+def test_a_run_that_trains_no_step_fails_and_saves_nothing(tmp_path, samples):
+    """An empty stream, or one shorter than one global batch, reported success: rc 0, a final
+    loss of 0.0 (a sweep ranked it best) and a step-0 checkpoint. It is one line now, and no
+    checkpoint is written."""
+    data = Iterable([TRAIN[i] for i in range(samples)])
+    with pytest.raises(ConfigError, match=r"^no optimizer step was trained: the training stream ran out"):
+        engine().fit(data, batch_size=64, max_steps=100, save_dir=str(tmp_path), progress=False)
+    assert not list(tmp_path.glob("step_*"))

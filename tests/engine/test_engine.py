@@ -354,3 +354,23 @@ def test_zero3_loads_whole_weights_one_module_at_a_time(monkeypatch, tmp_path):
     assert all(torch.equal(loaded[k], v) for k, v in source.state_dict().items())
     largest_module = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in source.modules())
     assert 0 < max(gathered) <= largest_module < sum(p.numel() for p in source.parameters())
+
+
+def test_a_new_engine_after_the_user_destroyed_the_process_group_trains():
+    """DeepSpeed caches process groups in its module globals; after the user's own
+    `destroy_process_group()` they are stale and the next engine's DeepSpeed failed on them."""
+    import torch.distributed as dist
+
+    data = synthetic(num_samples=128, num_features=16, num_classes=4)
+    histories = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        engine = Engine(
+            MLP(in_features=16, hidden=[8], num_classes=4),
+            torch.nn.CrossEntropyLoss(),
+            functools.partial(torch.optim.SGD, lr=0.1),
+            strategy=Strategy(sharding={"stage": 2}),
+        )
+        histories.append(engine.fit(data.train, batch_size=32, progress=False))
+        dist.destroy_process_group()
+    assert histories[0]["loss"] == histories[1]["loss"]

@@ -214,3 +214,22 @@ def test_the_paper_plan_ranks_what_fits_first():
     assert small[0].fits and (small[0].layout.stage >= 2 or small[0].layout.tensor_parallel > 1)
     assert not next(t for t in small if t.layout == Layout(stage=1)).fits
     assert [t.fits for t in small] == sorted((t.fits for t in small), reverse=True)
+
+
+def test_what_autotune_asks_of_a_model_names_the_real_blocker(monkeypatch):
+    """A pipeline GPT (whose plan allows TP, which the pipeline does not take) and a Mixtral with
+    expert parallelism: the model's facts are read under the strategy as given, without trying the
+    tensor-parallel degree the user never asked for; what training would refuse is said first."""
+    from tests.backend.test_expert_parallel import mixtral
+
+    pipeline = Strategy(pipeline={"stages": 2})
+    facts = model_facts(GPT(), pipeline, torch.optim.AdamW, world_size=2)
+    assert facts.tp_split == 0
+    with pytest.raises(ConfigError, match="pipeline engine's layout"):
+        tune.check_searchable(pipeline)
+    experts = Strategy(sharding={"stage": 1}, expert_parallel={"degree": 2})
+    monkeypatch.setattr("transformers.__version__", "5.23.0")  # one AutoEP does not run with
+    with pytest.raises(ConfigError, match="AutoEP runs with transformers .* 5.23.0 is installed"):
+        model_facts(mixtral(4), experts, torch.optim.AdamW, world_size=2)
+    monkeypatch.setattr("transformers.__version__", "5.22.2")
+    assert model_facts(mixtral(4), experts, torch.optim.AdamW, world_size=2).tp_split == 0

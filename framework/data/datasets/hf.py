@@ -13,13 +13,14 @@ a checkpoint like any other data.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from framework.data.datasets.classification import Splits
 from framework.data.packing import packed
-from framework.data.streams import DEFAULT_SHARDS, Stream
+from framework.data.streams import DEFAULT_SHARDS, Stream, whole_number
 from framework.errors import ConfigError
 from framework.integrations import hf
 
@@ -126,6 +127,14 @@ def hf_text(
 ) -> TokenizedSplits:
     """Local text / JSON / CSV files (`builder`: text, json, csv) -> tokenized blocks of
     `block_size` tokens, split into train / validation with a fixed seed."""
+
+    whole_number("data.dataset.block_size={}", block_size, 1)
+    if (
+        isinstance(val_fraction, bool)
+        or not isinstance(val_fraction, (int, float))
+        or not 0 < val_fraction < 1
+    ):
+        raise ConfigError(f"data.dataset.val_fraction={val_fraction!r}: must be a number between 0 and 1")
     raw = load_local(builder, data_files)
     if text_column not in raw.column_names:
         raise ConfigError(
@@ -174,6 +183,12 @@ def hf_stream(
     tokens (`framework.data.packing`; `keep_documents_apart` for blocks whose documents do not
     attend to each other). Validation: `validation_files`, else every `val_every`-th document.
     Train with `trainer.max_steps` (a stream has no length)."""
+    import datasets
+
+    _check_stream_options(builder, block_size, val_every if validation_files is None else 2, shards, seed)
+    datasets.disable_progress_bars()
+    # Its JSON reader logs a parse error before raising it; the stream names file and line instead.
+    logging.getLogger("datasets.packaged_modules.json.json").setLevel(logging.CRITICAL)
     tok = load_tokenizer(tokenizer)
     eos = getattr(tok, "eos_token_id", None)
     eos = eos if eos is not None else getattr(tok, "pad_token_id", None) or 0
@@ -182,27 +197,59 @@ def hf_stream(
     def read(files: Any) -> Any:
         return load_local(builder, files, streaming=True)
 
-    def tokenize(example: dict[str, Any]) -> list[int]:
-        if text_column not in example:
-            raise ConfigError(
-                f"data.dataset.text_column={text_column}: the files' rows have {sorted(example)}; name one of them"
-            )
-        text = example[text_column]
-        if not isinstance(text, str):
-            raise not_text(text_column, text)
-        return list(tok([text])["input_ids"][0])
-
-    def stream(data: Any) -> Stream:
-        transform = packed(tokenize, block_size, eos, keep_documents_apart, pad)
-        return Stream(data, transform, shards=shards, seed=seed, info={"tokenizer": tok})
+    def stream(data: Any, files: Any) -> Stream:
+        transform = packed(_Tokenize(tok, text_column), block_size, eos, keep_documents_apart, pad)
+        info = {"tokenizer": tok, "files": _local(files)}
+        return Stream(data, transform, shards=shards, seed=seed, info=info)
 
     raw = read(data_files)
     if validation_files is not None:
-        train, valid = raw, read(validation_files)
+        train, valid = stream(raw, data_files), stream(read(validation_files), validation_files)
     else:
-        train = raw.filter(EveryNth(int(val_every), held_out=False), with_indices=True)
-        valid = read(data_files).filter(EveryNth(int(val_every), held_out=True), with_indices=True)
-    return with_tokenizer(Splits(stream(train), stream(valid)), tok)
+        held_out = read(data_files).filter(EveryNth(int(val_every), held_out=True), with_indices=True)
+        train = stream(raw.filter(EveryNth(int(val_every), held_out=False), with_indices=True), data_files)
+        valid = stream(held_out, data_files)
+    return with_tokenizer(Splits(train, valid), tok)
+
+
+def _local(files: Any) -> list[str]:
+    """Data files as local paths (a file or a list of them)."""
+    return [str(Path(f).expanduser()) for f in ([files] if isinstance(files, str) else list(files))]
+
+
+STREAM_BUILDERS = ("text", "json", "parquet", "csv")
+
+
+def _check_stream_options(builder: Any, block_size: Any, val_every: Any, shards: Any, seed: Any) -> None:
+    """Each of `hf_stream`'s numbers and its builder, or one line naming the config key."""
+    if builder not in STREAM_BUILDERS:
+        raise ConfigError(f"data.dataset.builder={builder}: use one of {', '.join(STREAM_BUILDERS)}")
+    whole_number("data.dataset.block_size={}", block_size, 1)
+    whole_number("data.dataset.shards={}", shards, 1)
+    whole_number("data.dataset.seed={}", seed, 0)
+    if isinstance(val_every, bool) or not isinstance(val_every, int) or val_every < 2:
+        raise ConfigError(
+            f"data.dataset.val_every={val_every!r}: must be a whole number >= 2 (every val_every-th "
+            "document validates), or give data.dataset.validation_files"
+        )
+
+
+class _Tokenize:
+    """A document's token ids (picklable: a spawned loader worker gets the stream by pickling)."""
+
+    def __init__(self, tokenizer: Any, text_column: str):
+        self.tokenizer, self.text_column = tokenizer, text_column
+
+    def __call__(self, example: dict[str, Any]) -> list[int]:
+        if self.text_column not in example:
+            raise ConfigError(
+                f"data.dataset.text_column={self.text_column}: the files' rows have {sorted(example)}; "
+                "name one of them"
+            )
+        text = example[self.text_column]
+        if not isinstance(text, str):
+            raise not_text(self.text_column, text)
+        return list(self.tokenizer([text])["input_ids"][0])
 
 
 def _is_text_feature(feature: Any) -> bool:

@@ -1,0 +1,196 @@
+"""Adapters with Hugging Face's `peft`: the one module that imports it.
+
+* What a model is: `is_adapted` (a `peft` wrapper), `base_model` (the model inside it).
+* Making one: `lora_config` (the `adapter.*` keys as a `peft.LoraConfig`), `adapt` (wrap a model
+  with a config, a causal LM as `CAUSAL_LM`), `describe` (the console line saying what trains).
+* Files: `save_config` / `load_config` (the adapter's config kept in a checkpoint, which names
+  the base model it was trained from), `save_adapter` (a PEFT adapter directory from a state
+  dict: `PeftModel.from_pretrained(base, DIR)` loads it), `merged` (the base with the adapter's
+  weights folded in).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from framework.errors import ConfigError
+
+ALL_LINEAR = "all-linear"  # peft's choice of every linear layer but the output head
+
+
+def installed() -> bool:
+    """True when `peft` can be imported."""
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _require() -> None:
+    if not installed():
+        raise ConfigError(
+            "adapters need the peft library: pip install 'hydraspeed[adapter]' (or pip install peft)"
+        )
+
+
+def is_adapted(module: Any) -> bool:
+    """True for a model wrapped by `peft` (`get_peft_model`, `PeftModel.from_pretrained`)."""
+    if "peft" not in sys.modules:  # nobody made one without importing peft
+        return False
+    from peft import PeftModel
+
+    return isinstance(module, PeftModel)
+
+
+def base_model(module: Any) -> Any:
+    """The model inside a `peft` wrapper (the user's transformers model); `module` otherwise."""
+    return module.get_base_model() if is_adapted(module) else module
+
+
+def lora_config(
+    r: int = 8,
+    alpha: int = 16,
+    dropout: float = 0.05,
+    target_modules: Any = ALL_LINEAR,
+    modules_to_save: Any = None,
+    use_dora: bool = False,
+) -> Any:
+    """A `peft.LoraConfig` from the `adapter.*` keys (lists may be OmegaConf's)."""
+    _require()
+    from peft import LoraConfig
+
+    targets = target_modules if isinstance(target_modules, str) else [str(t) for t in target_modules]
+    saved = None if modules_to_save is None else [str(m) for m in modules_to_save]
+    return LoraConfig(
+        r=int(r),
+        lora_alpha=int(alpha),
+        lora_dropout=float(dropout),
+        target_modules=targets,
+        modules_to_save=saved,
+        use_dora=bool(use_dora),
+    )
+
+
+def adapt(model: nn.Module, config: Any, causal_lm: bool = False) -> nn.Module:
+    """`model` wrapped with the adapter `config` (a `peft` config; `causal_lm`: as a causal LM, so
+    the wrapper passes `labels=` through and exports as one). Only the adapter trains."""
+    _require()
+    import copy
+
+    from peft import get_peft_model
+
+    if is_adapted(model):
+        raise ConfigError(
+            "the model already carries an adapter: pass it without adapter=, or the base model with it"
+        )
+    if causal_lm and getattr(config, "task_type", None) is None:
+        config = copy.copy(config)
+        config.task_type = "CAUSAL_LM"
+    try:
+        return get_peft_model(model, config)
+    except ValueError as exc:  # e.g. a target module the model does not have
+        raise ConfigError(f"adapter: {str(exc).splitlines()[0]}") from None
+
+
+def _numel(p: torch.Tensor) -> int:
+    return int(getattr(p, "ds_numel", p.numel()))  # ZeRO-3: the whole size of a partitioned weight
+
+
+def trainable_counts(model: nn.Module) -> tuple[int, int]:
+    """(trainable, all) parameter elements of `model`, whole sizes under ZeRO-3."""
+    params = list(model.parameters())
+    return sum(_numel(p) for p in params if p.requires_grad), sum(_numel(p) for p in params)
+
+
+def _millions(n: int) -> str:
+    return f"{n / 1e6:.1f} M" if n >= 10**5 else f"{n:,}"
+
+
+def describe(model: Any) -> str:
+    """'LoRA r=8 on 14 modules: 0.4 M of 25 M parameters trainable' for an adapted model."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    config = next(iter(model.peft_config.values()))
+    kind = str(getattr(config.peft_type, "value", config.peft_type)).replace("LORA", "LoRA")
+    kind = "DoRA" if getattr(config, "use_dora", False) else kind
+    layers = sum(isinstance(m, BaseTunerLayer) for m in model.modules())
+    trainable, total = trainable_counts(model)
+    rank = f" r={config.r}" if hasattr(config, "r") else ""
+    return (
+        f"{kind}{rank} on {layers} modules: {_millions(trainable)} of {_millions(total)} parameters trainable"
+    )
+
+
+def base_name(model: Any) -> str | None:
+    """Where the adapted model's base came from (`base_model_name_or_path`: its directory), if known."""
+    config = next(iter(model.peft_config.values()))
+    return getattr(config, "base_model_name_or_path", None) or None
+
+
+def describe_checkpoint(size: int, model: Any) -> str:
+    """'checkpoint: 0.20 MB, what trains and its optimizer states (9,200 of 40,016 parameters:
+    23% of a full-training checkpoint's), base DIR' for an adapter run's checkpoint of `size` bytes."""
+    trainable, total = trainable_counts(model)
+    return (
+        f"checkpoint: {size / 2**20:.2f} MB, what trains and its optimizer states ({trainable:,} of {total:,} "
+        f"parameters: {100 * trainable / max(total, 1):.0f}% of a full-training checkpoint's), base "
+        f"{base_name(model) or 'built from its config'}"
+    )
+
+
+ADAPTER_DIR = "adapter"  # in a checkpoint: adapter_config.json of the run's adapter
+
+
+def save_config(model: Any, path: Path) -> None:
+    """The adapter's config (`adapter_config.json`, naming its base model) under `path/adapter`."""
+    config = next(iter(model.peft_config.values()))
+    config.save_pretrained(str(path / ADAPTER_DIR))
+
+
+def load_config(path: Path) -> Any | None:
+    """The adapter config a checkpoint keeps (`save_config`), or None for a full-training one."""
+    if not (path / ADAPTER_DIR / "adapter_config.json").is_file():
+        return None
+    _require()
+    from peft import PeftConfig
+
+    return PeftConfig.from_pretrained(str(path / ADAPTER_DIR))
+
+
+def rebuilt(base: nn.Module, config: Any, state: dict[str, torch.Tensor]) -> Any:
+    """`base` adapted with `config`, holding the weights of `state` (a checkpoint's state dict of
+    the adapted model: what trained, or everything): every key must fit, and every trained one
+    be there."""
+    from peft import get_peft_model
+
+    model = get_peft_model(base, config)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    if unexpected or trained & set(missing):
+        raise ConfigError(
+            f"the checkpoint's weights do not fit the adapted {type(base).__name__} "
+            f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
+    return model
+
+
+def save_adapter(model: Any, out: Path) -> Path:
+    """A PEFT adapter directory (adapter_config.json, adapter_model.safetensors) of `model`;
+    an adapter without weights is refused (never an empty file)."""
+    from peft import get_peft_model_state_dict
+
+    if not get_peft_model_state_dict(model):
+        raise ConfigError("the adapter holds no weights: nothing to export")
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+def merged(model: Any) -> Any:
+    """The base model with the adapter's weights folded in (a plain transformers model)."""
+    return model.merge_and_unload()
