@@ -5,7 +5,8 @@ at ZeRO-0 uses a frozen reference copy, at ZeRO-3 reference log-probabilities co
 training; a LoRA model (peft) uses itself with its adapters disabled.
 
 Usage: dpo_invariance.py OUT_DIR. Writes OUT_DIR/rank<R>.json: {"errors": {"<model> zero<S>
-acc<A> <reference>": [max weight error, max loss error, max reward-metric error]}, "moved":
+acc<A> <reference>": [max weight error, max loss error, max reward-metric error]} (the LoRA ZeRO-3 case also writes
+OUT_DIR/metrics.jsonl), "moved":
 {model: how far plain torch moved its weights}, "refused": the line that refuses to copy a model
 built partitioned, "reference_share": the ZeRO-3 frozen copy's parameter elements on this rank /
 the whole model's}.
@@ -30,6 +31,7 @@ from framework.engine.preference import (
     with_reference_logps,
 )
 from framework.errors import ConfigError
+from framework.observe.loggers import MetricsFile
 from tests.helpers.tiny_chat import tiny_chat_tokenizer, tiny_llama
 from tests.helpers.tiny_pairs import PAIRS
 
@@ -114,9 +116,12 @@ with ProcessContext.start("cpu") as process:
         )
         strategy = Strategy(sharding={"stage": stage}, gradient_merge={"k_steps": acc})
         logged = Logged()
+        callbacks = [logged]
+        if name == "lora" and stage == 3:  # what the run's metrics.jsonl holds (rank 0 writes it)
+            callbacks.append(MetricsFile(out_dir / "metrics.jsonl"))
         engine = Engine(
             make(), optimizer=lambda p: torch.optim.SGD(p, lr=LR), strategy=strategy, train_step=dpo,
-            process=process, callbacks=[logged],
+            process=process, callbacks=callbacks,
         )  # fmt: skip
         data = pairs
         if reference == "precompute":
