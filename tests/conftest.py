@@ -70,11 +70,15 @@ def torchrun(nproc: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
 
 
-def run_layout_script(out: Path, *args: str, ranks: int = 2, timeout: float = 280, env: dict | None = None):
+def run_layout_script(
+    out: Path, *args: str, ranks: int = 2, timeout: float = 280, env: dict | None = None,
+    script: str = "layout_invariance.py",
+):  # fmt: skip
     """Run `tests/scripts/layout_invariance.py OUT ARGS` (one SGD step under a layout against one
-    process) on `ranks` workers; each rank's results ({"errors", "shares", ...}), after checking
-    that no case of any rank is off by more than 1e-5."""
-    script = str(ROOT / "tests" / "scripts" / "layout_invariance.py")
+    process; or another `script` of tests/scripts writing the same files) on `ranks` workers; each
+    rank's results ({"errors", "shares", ...}), after checking that no case of any rank is off by
+    more than 1e-5."""
+    script = str(ROOT / "tests" / "scripts" / script)
     run = run_cmd([*torchrun(ranks), script, str(out), *args], timeout, env)
     assert run.returncode == 0, run.stderr[-3000:]
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]

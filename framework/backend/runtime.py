@@ -349,6 +349,28 @@ class Runtime(Topology):
     def _is_zero3(self) -> bool:
         return self.strategy.partitions_parameters
 
+    def frozen(self, module: nn.Module) -> Any:
+        """A frozen model (a reference, never trained) laid out as the trained one: under ZeRO-3 its
+        own DeepSpeed engine without an optimizer (partitioned over the ranks, gathered layer by
+        layer in its forward pass); otherwise the module on this rank's device. Call it after
+        `initialize` (the trained model's config is reused, its optimizer left out)."""
+        import deepspeed
+
+        module.requires_grad_(False).eval()
+        if not self._is_zero3():
+            return module.to(self.device, dtype=self.compute_dtype)
+        config = {k: v for k, v in (self.config or {}).items() if k not in ("optimizer", "scheduler")}
+        with watchdog.suspended():
+            engine, _, _, _ = deepspeed.initialize(
+                args=types.SimpleNamespace(device_rank=self.process.device_index),
+                model=module,
+                config=config,
+                mpu=parallel.process_groups(self.mesh, module),
+            )
+        zero3_trace.keep_release_plans_fresh(module, engine)
+        engine.eval()
+        return engine
+
     def full_state_dict(self, on_every_rank: bool = False) -> dict[str, torch.Tensor]:
         """The module's complete weights as CPU tensors, on rank 0 ({} elsewhere unless
         `on_every_rank`). Collective. See `framework.backend.weights.consolidate`."""

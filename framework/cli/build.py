@@ -30,6 +30,7 @@ from framework.cli import construct
 from framework.cli.config import RENAMED, check_schema
 from framework.cli.report import RunFiles, print_plan
 from framework.data.datasets import as_splits
+from framework.engine import preference
 from framework.engine.construct import check_adapted
 from framework.engine.engine import Engine
 from framework.engine.fit_config import FitConfig
@@ -265,14 +266,19 @@ def _callbacks(cfg: DictConfig, out: Path, context: dict[str, Any], main: bool) 
 def build_engine(cfg: DictConfig, runtime: Runtime, callbacks: list[Callback]) -> Engine:
     """The model (built as the strategy says) and everything the Engine is given, from `cfg`."""
     t = cfg.trainer
+    model = _build_model(cfg.model, runtime, cfg.get("adapter"))
+    objective = None
+    if cfg.get("objective") is not None:  # +objective=dpo: a step over pairs in place of the loss
+        options = OmegaConf.to_container(cfg.objective, resolve=True)
+        objective = preference.objective_for(model, options)  # type: ignore[arg-type]
     return Engine(
-        _build_model(cfg.model, runtime, cfg.get("adapter")),
+        model,
         loss=instantiate(cfg.loss),
         optimizer=_checked_optimizer(cfg.optimizer),
         metrics={name: instantiate(node) for name, node in cfg.metrics.items()},
         scheduler=_optional(cfg.scheduler),
-        train_step=_optional(cfg.step),
-        eval_step=_optional(cfg.eval_step),
+        train_step=objective or _optional(cfg.step),
+        eval_step=objective.eval_step if objective else _optional(cfg.eval_step),
         callbacks=callbacks,
         seed=t.seed,
         prefetch=cfg.data.prefetch,
@@ -298,10 +304,19 @@ def _fit(cfg: DictConfig, engine: Engine, splits: Any, ckpt_dir: Path) -> dict[s
             engine.load(str(t.init_from))  # a fresh start from these weights
         except (CheckpointError, FileNotFoundError) as exc:
             raise type(exc)(f"trainer.init_from={t.init_from}: {exc}") from None
+        if isinstance(engine.train_step_fn, preference.DPO):  # the reference starts from them too
+            engine.train_step_fn.follow(engine.runtime)
     kwargs = build_fit_config(cfg, ckpt_dir, preempt, resume, main).as_kwargs()
     if kwargs["collate_fn"] is None:  # the data's own (e.g. padding for text classification)
         kwargs["collate_fn"] = getattr(splits, "collate_fn", None)
-    return engine.fit(splits.train, splits.valid, **kwargs)
+    train, valid = splits.train, splits.valid
+    if getattr(engine.train_step_fn, "precompute_reference", False):  # before a resume loads the policy
+        engine.prepare("train", int(t.batch_size))
+        chunk = max(1, int(t.batch_size) // engine.world_size)
+        train = preference.with_reference_logps(engine, train, chunk, kwargs["collate_fn"])
+        if valid is not None:
+            valid = preference.with_reference_logps(engine, valid, chunk, kwargs["collate_fn"])
+    return engine.fit(train, valid, **kwargs)
 
 
 def _tokenizer_from_model_dir(cfg: DictConfig, main: bool = True) -> None:

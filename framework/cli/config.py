@@ -36,6 +36,7 @@ GROUPS = (
     "experiment",
     "hparams_search",
     "autotune",
+    "objective",
     "adapter",
 )
 
@@ -123,6 +124,20 @@ class AutotuneConfig:
 
 
 @dataclass
+class ObjectiveConfig:
+    """`+objective=dpo`: preference tuning from pairs (data=hf_preference) in place of `loss=`
+    (framework.engine.preference)."""
+
+    name: str = "dpo"  # the objective: dpo (the only one so far)
+    beta: float = 0.1  # strength of the pull towards the reference model (DPO's beta, IPO's tau)
+    loss_type: str = "sigmoid"  # sigmoid: DPO; ipo: IPO (log-probabilities averaged over answer tokens)
+    label_smoothing: float = 0.0  # conservative DPO: the share of pairs assumed mislabelled (sigmoid only)
+    precompute_reference: bool = (
+        False  # true: reference log-probs computed once before training, kept with the data
+    )
+
+
+@dataclass
 class AdapterConfig:
     """`+adapter=lora`: train LoRA adapters on a frozen model, with `peft` (framework.engine.construct)."""
 
@@ -154,6 +169,7 @@ class TrainConfig:
     eval_step: Any = None  # a custom validation step, the same way
     dry_run: bool = False  # print the per-rank memory estimate and the DeepSpeed config, then exit
     autotune: AutotuneConfig | None = None  # +autotune=search: choose the layout by trials first
+    objective: ObjectiveConfig | None = None  # +objective=dpo: train on preference pairs, not loss=
     adapter: AdapterConfig | None = None  # +adapter=lora: train adapters on the frozen model
 
 

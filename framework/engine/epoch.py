@@ -248,6 +248,14 @@ def _after_step(
             st.logs["skipped_steps"] = st.skipped_steps
         if speed is not None:
             st.logs.update(speed.logs(st.global_step))
+        st.logs.update(_objective_logs(host))
+
+
+def _objective_logs(host: Host) -> dict[str, Any]:
+    """What a training step object measures over the steps since the last logging point (its
+    `step_logs(device)`, e.g. DPO's rewards), reduced over ranks: collective, every rank logs."""
+    read = getattr(host.train_step_fn, "step_logs", None)
+    return read(host.runtime.process.collective_device) if callable(read) else {}
 
 
 def _reduced_window_loss(st: LoopState, process: ProcessContext) -> float:

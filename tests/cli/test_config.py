@@ -143,6 +143,17 @@ def test_every_data_option_instantiates(compose, name, tmp_path):
         assert set(splits.train[0]) == {"input_ids", "labels", "attention_mask"}
         assert (len(splits.train), len(splits.valid)) == (7, 1)
         return
+    if name == "hf_preference":  # pairs of answers of the user's, rendered by a chat template
+        from tests.helpers.tiny_chat import tiny_chat_tokenizer
+        from tests.helpers.tiny_pairs import write_pairs_jsonl
+
+        tiny_chat_tokenizer().save_pretrained(tmp_path / "tokenizer")
+        overrides += [f"data.dataset.data_files={write_pairs_jsonl(tmp_path / 'pairs.jsonl')}",
+                      f"data.dataset.tokenizer={tmp_path / 'tokenizer'}"]  # fmt: skip
+        splits = instantiate(compose(overrides).data.dataset)
+        assert {"chosen_input_ids", "rejected_labels"} <= set(splits.train[0])
+        assert (len(splits.train), len(splits.valid)) == (7, 1)
+        return
     if name == "hf_classification":  # (text, label) rows of the user's; byte tokens by default
         rows = tmp_path / "rows.jsonl"
         rows.write_text("".join(f'{{"text": "row {i}", "label": "{"ab"[i % 2]}"}}\n' for i in range(50)))
