@@ -34,6 +34,9 @@ def subprocess_env(**extra: str) -> dict[str, str]:
         if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
     }
     env.update(OMP_NUM_THREADS="1", WANDB_MODE=env.get("WANDB_MODE", "disabled"), PYTHONUNBUFFERED="1")
+    # `tests.helpers` importable from any child (a script under tests/scripts puts its own folder
+    # first on sys.path, not the repo root).
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     env.update(extra)
     return env
 

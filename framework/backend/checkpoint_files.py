@@ -28,11 +28,16 @@ def allowed_classes() -> list[Any]:
 
 def zero_fp32_state_dict(ckpt_dir: Path, tag: str) -> dict[str, torch.Tensor]:
     """The whole fp32 weights of the ZeRO 1-3 checkpoint `ckpt_dir/tag` (DeepSpeed's zero_to_fp32;
-    it prints progress, which is kept out of the user's console)."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    it prints progress, on stdout and as tqdm bars on stderr, which is kept out of the user's console)."""
+    from deepspeed.utils import zero_to_fp32
 
-    with contextlib.redirect_stdout(io.StringIO()):
-        return dict(get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag))
+    bars = zero_to_fp32.tqdm
+    zero_to_fp32.tqdm = lambda iterable, **_: iterable  # its progress bars (newer 0.19.x), not its errors
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            return dict(zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag))
+    finally:
+        zero_to_fp32.tqdm = bars
 
 
 def rebuild_split(entry: dict[str, Any], shards: dict[int, torch.Tensor]) -> torch.Tensor:
