@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from framework.data.datasets.chat import (
     WHERE,
@@ -41,6 +40,7 @@ from framework.data.datasets.chat import (
 )
 from framework.data.datasets.classification import Splits
 from framework.data.datasets.hf import TokenizedSplits, load_local, with_tokenizer
+from framework.data.datasets.text_classification import PadCollator
 from framework.data.labels import IGNORE_INDEX, counts_nothing
 from framework.data.streams import DEFAULT_SHARDS, Stream
 from framework.errors import ConfigError
@@ -127,33 +127,13 @@ class PairEncoder:
             _say(f"data: {self.dropped} of {self.seen} {what}pairs dropped: {self.why()}")
 
 
-class PairCollator:
+class PairCollator(PadCollator):
     """Pads a batch's chosen and rejected rows to one common length (input ids with `pad_id`,
-    labels with -100, masks with 0, on the right); 0-d fields (reference log-probabilities) are
-    stacked."""
+    labels with -100, masks with 0, on the right), so the DPO step runs them in one forward pass;
+    0-d fields (reference log-probabilities) are stacked."""
 
-    def __init__(self, pad_id: int = 0):
-        self.pad_id = pad_id
-
-    def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        length = max(len(row[f"{side}_input_ids"]) for row in rows for side in SIDES)
-        batch: dict[str, torch.Tensor] = {}
-        for key in rows[0]:
-            values = [torch.as_tensor(row[key]) for row in rows]
-            if values[0].dim() == 0:
-                batch[key] = torch.stack(values)
-                continue
-            fill = self.pad_id if key.endswith("input_ids") else IGNORE_INDEX if key.endswith("labels") else 0
-            batch[key] = torch.stack([_padded(v, length, fill) for v in values])
-        return batch
-
-    def __repr__(self) -> str:
-        return f"PairCollator(pad_id={self.pad_id})"
-
-
-def _padded(values: torch.Tensor, length: int, fill: int) -> torch.Tensor:
-    """`values` padded with `fill` on the right to `length`."""
-    return torch.nn.functional.pad(values, (0, length - len(values)), value=fill)
+    def common_length(self, rows: Sequence[dict[str, Any]]) -> int:
+        return max(len(row[f"{side}_input_ids"]) for row in rows for side in SIDES)
 
 
 class PairRows:

@@ -26,26 +26,35 @@ BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parqu
 
 
 class PadCollator:
-    """Stacks rows of different lengths into a batch: `input_ids` padded with `pad_id`, labels
-    with -100 (per-token labels: a padded position counts nothing), every other sequence field
-    (attention_mask, token_type_ids) with 0, on the right; labels of whole rows stacked."""
+    """Stacks rows of different lengths into a batch: token ids (`*input_ids`) padded with
+    `pad_id`, per-token labels (`*labels`) with -100 (a padded position counts nothing), every
+    other sequence field (attention masks, token_type_ids) with 0, on the right, each field to its
+    longest row (or to `common_length`); 0-d fields (labels of whole rows) stacked."""
 
     def __init__(self, pad_id: int = 0):
         self.pad_id = pad_id
 
+    def common_length(self, rows: Sequence[dict[str, Any]]) -> int | None:
+        """One length every sequence field is padded to (None: each field to its own longest row)."""
+        return None
+
     def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        length = self.common_length(rows)
         batch: dict[str, torch.Tensor] = {}
         for key in rows[0]:
             values = [torch.as_tensor(row[key]) for row in rows]
             if values[0].dim() == 0:
                 batch[key] = torch.stack(values)
                 continue
-            fill = self.pad_id if key == "input_ids" else IGNORE_INDEX if key == "labels" else 0
-            batch[key] = torch.nn.utils.rnn.pad_sequence(values, batch_first=True, padding_value=fill)
+            fill = self.pad_id if key.endswith("input_ids") else IGNORE_INDEX if key.endswith("labels") else 0
+            longest = length or max(len(v) for v in values)
+            batch[key] = torch.stack(
+                [torch.nn.functional.pad(v, (0, longest - len(v)), value=fill) for v in values]
+            )
         return batch
 
     def __repr__(self) -> str:
-        return f"PadCollator(pad_id={self.pad_id})"
+        return f"{type(self).__name__}(pad_id={self.pad_id})"
 
 
 def _builder(files: list[str], builder: str | None) -> str:
