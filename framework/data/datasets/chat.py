@@ -84,7 +84,37 @@ def _template_text(template: str) -> str:
     return path.read_text()
 
 
-class ChatEncoder:
+class Counted:
+    """What an encoder cut to `max_length` and dropped, counted as rows are encoded (`seen`,
+    `truncated`, `dropped`) and said in one line each on rank 0. `unit` names a row, `cut` what of
+    a row is cut ("": the row itself); `why` says why a row is dropped."""
+
+    unit, cut = "conversations", ""
+    max_length: int
+
+    def __init__(self) -> None:
+        self.seen = self.truncated = self.dropped = 0
+
+    def why(self) -> str:
+        raise NotImplementedError
+
+    def say_dropped_so_far(self) -> None:
+        """After a drop in a stream (never counted to its end): the first and every doubling, one line."""
+        if self.dropped & (self.dropped - 1) == 0:
+            _say(f"data: {self.dropped} of {self.seen} {self.unit} read so far dropped: {self.why()}")
+
+    def report(self, what: str) -> None:
+        """The counts of cut and dropped rows, one line each (`what`: "validation " or "")."""
+        if self.truncated:
+            _say(
+                f"data: {self.truncated} {self.cut}of {self.seen} {what}{self.unit} cut to "
+                f"max_length={self.max_length} tokens (data.dataset.max_length to change)"
+            )
+        if self.dropped:
+            _say(f"data: {self.dropped} of {self.seen} {what}{self.unit} dropped: {self.why()}")
+
+
+class ChatEncoder(Counted):
     """One conversation -> `(input_ids, labels)` (see the module doc); `([], [])` for one that is
     dropped. Counts what it cut and dropped (`seen`, `truncated`, `dropped`)."""
 
@@ -94,14 +124,14 @@ class ChatEncoder:
         self.tok, self.column = tokenizer, messages_column
         self.max_length, self.train_on_prompt = int(max_length), bool(train_on_prompt)
         self.marked = bool(GENERATION_MARKER.search(template_of(tokenizer)))
-        self.seen = self.truncated = self.dropped = 0
+        super().__init__()
 
     def __call__(self, example: dict[str, Any]) -> tuple[list[int], list[int]]:
         """A streamed row (its file and line under `WHERE`); says the first drop and every
         doubling of the count in one line, since a stream is never counted to its end."""
         out = self.encode(example, str(example.get(WHERE, "a streamed row")))
-        if not out[0] and self.dropped & (self.dropped - 1) == 0:
-            _say(f"data: {self.dropped} of {self.seen} conversations read so far dropped: {self.why()}")
+        if not out[0]:
+            self.say_dropped_so_far()
         return out
 
     def encode(self, example: dict[str, Any], where: str) -> tuple[list[int], list[int]]:
@@ -183,16 +213,6 @@ class ChatEncoder:
             f"no assistant token within max_length={self.max_length} (cut before the first, or no "
             "assistant turn); data.dataset.max_length to change"
         )
-
-    def report(self, what: str) -> None:
-        """The counts of cut and dropped conversations, one line each (rank 0)."""
-        if self.truncated:
-            _say(
-                f"data: {self.truncated} of {self.seen} {what}conversations cut to "
-                f"max_length={self.max_length} tokens (data.dataset.max_length to change)"
-            )
-        if self.dropped:
-            _say(f"data: {self.dropped} of {self.seen} {what}conversations dropped: {self.why()}")
 
 
 def _say(line: str) -> None:

@@ -30,10 +30,10 @@ import numpy as np
 from framework.data.datasets.chat import (
     WHERE,
     ChatEncoder,
+    Counted,
     _builder,
     _pad_id,
     _paths,
-    _say,
     _Where,
     _where,
     chat_tokenizer,
@@ -59,15 +59,17 @@ def _messages(value: Any, role: str, where: str, key: str) -> list[dict[str, Any
     raise ConfigError(f"{where}: '{key}' must be a string or a list of {{role, content}} messages")
 
 
-class PairEncoder:
+class PairEncoder(Counted):
     """One row -> the chosen and rejected `(input_ids, labels)`, or None for a dropped pair.
     Counts what it cut and dropped (`seen`, `truncated`, `dropped`)."""
+
+    unit, cut = "pairs", "answers "
 
     def __init__(self, tokenizer: Any, max_length: int, columns: tuple[str, str, str]):
         self.chat = ChatEncoder(tokenizer, "messages", max_length, train_on_prompt=False)
         self.prompt_key, self.chosen_key, self.rejected_key = columns
         self.max_length = int(max_length)
-        self.seen = self.truncated = self.dropped = 0
+        super().__init__()
 
     def encode(self, row: dict[str, Any], where: str) -> dict[str, np.ndarray] | None:
         """The pair of `row` (the file and line `where`) as a row of arrays."""
@@ -116,16 +118,6 @@ class PairEncoder:
             "data.dataset.max_length to change"
         )
 
-    def report(self, what: str) -> None:
-        """The counts of cut answers and dropped pairs, one line each (rank 0)."""
-        if self.truncated:
-            _say(
-                f"data: {self.truncated} answers of {self.seen} {what}pairs cut to max_length={self.max_length} "
-                "tokens (data.dataset.max_length to change)"
-            )
-        if self.dropped:
-            _say(f"data: {self.dropped} of {self.seen} {what}pairs dropped: {self.why()}")
-
 
 class PairCollator(PadCollator):
     """Pads a batch's chosen and rejected rows to one common length (input ids with `pad_id`,
@@ -146,10 +138,8 @@ class PairRows:
         """The pair's row (nothing when it is dropped; the first drop and every doubling of the
         count said in one line, since a stream is never counted to its end)."""
         pair = self.encoder.encode(example, str(example.get(WHERE, "a streamed row")))
-        if pair is None and self.encoder.dropped & (self.encoder.dropped - 1) == 0:
-            _say(
-                f"data: {self.encoder.dropped} of {self.encoder.seen} pairs read so far dropped: {self.encoder.why()}"
-            )
+        if pair is None:
+            self.encoder.say_dropped_so_far()
         return [(pair, (position + self.shards, 0))] if pair is not None else []
 
     def flush(self) -> list[tuple[Any, tuple[int, int]]]:
