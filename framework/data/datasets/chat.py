@@ -36,13 +36,13 @@ from typing import Any
 import numpy as np
 
 from framework.data.datasets.classification import Splits
+from framework.data.datasets.counted import Counted
 from framework.data.datasets.hf import EveryNth, TokenizedSplits, load_local, load_tokenizer, with_tokenizer
 from framework.data.datasets.text_classification import PadCollator
 from framework.data.labels import IGNORE_INDEX, counts_nothing
 from framework.data.packing import Packer, packed
 from framework.data.streams import DEFAULT_SHARDS, Stream
 from framework.errors import ConfigError
-from framework.process.environment import env_rank
 
 GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 WHERE = "__where__"  # a streamed row's file and line, for errors
@@ -82,36 +82,6 @@ def _template_text(template: str) -> str:
             f"data.dataset.chat_template={template}: no such file (or give the Jinja text)"
         )
     return path.read_text()
-
-
-class Counted:
-    """What an encoder cut to `max_length` and dropped, counted as rows are encoded (`seen`,
-    `truncated`, `dropped`) and said in one line each on rank 0. `unit` names a row, `cut` what of
-    a row is cut ("": the row itself); `why` says why a row is dropped."""
-
-    unit, cut = "conversations", ""
-    max_length: int
-
-    def __init__(self) -> None:
-        self.seen = self.truncated = self.dropped = 0
-
-    def why(self) -> str:
-        raise NotImplementedError
-
-    def say_dropped_so_far(self) -> None:
-        """After a drop in a stream (never counted to its end): the first and every doubling, one line."""
-        if self.dropped & (self.dropped - 1) == 0:
-            _say(f"data: {self.dropped} of {self.seen} {self.unit} read so far dropped: {self.why()}")
-
-    def report(self, what: str) -> None:
-        """The counts of cut and dropped rows, one line each (`what`: "validation " or "")."""
-        if self.truncated:
-            _say(
-                f"data: {self.truncated} {self.cut}of {self.seen} {what}{self.unit} cut to "
-                f"max_length={self.max_length} tokens (data.dataset.max_length to change)"
-            )
-        if self.dropped:
-            _say(f"data: {self.dropped} of {self.seen} {what}{self.unit} dropped: {self.why()}")
 
 
 class ChatEncoder(Counted):
@@ -213,11 +183,6 @@ class ChatEncoder(Counted):
             f"no assistant token within max_length={self.max_length} (cut before the first, or no "
             "assistant turn); data.dataset.max_length to change"
         )
-
-
-def _say(line: str) -> None:
-    if env_rank() == 0:
-        print(line, flush=True)
 
 
 def _paths(data_files: Any, key: str = "data_files") -> list[Path]:

@@ -30,7 +30,6 @@ import numpy as np
 from framework.data.datasets.chat import (
     WHERE,
     ChatEncoder,
-    Counted,
     _builder,
     _pad_id,
     _paths,
@@ -39,6 +38,7 @@ from framework.data.datasets.chat import (
     chat_tokenizer,
 )
 from framework.data.datasets.classification import Splits
+from framework.data.datasets.counted import Counted
 from framework.data.datasets.hf import TokenizedSplits, load_local, with_tokenizer
 from framework.data.datasets.text_classification import PadCollator
 from framework.data.labels import IGNORE_INDEX, counts_nothing
