@@ -88,6 +88,8 @@ class ChatEncoder(Counted):
     """One conversation -> `(input_ids, labels)` (see the module doc); `([], [])` for one that is
     dropped. Counts what it cut and dropped (`seen`, `truncated`, `dropped`)."""
 
+    unit = "conversations"
+
     def __init__(self, tokenizer: Any, messages_column: str, max_length: int, train_on_prompt: bool):
         if int(max_length) < 2:
             raise ConfigError(f"data.dataset.max_length={max_length}: a conversation needs at least 2 tokens")

@@ -10,7 +10,7 @@ class Counted:
     `truncated`, `dropped`) and said in one line each on rank 0. `unit` names a row, `cut` what of
     a row is cut ("": the row itself); `why` says why a row is dropped."""
 
-    unit, cut = "conversations", ""
+    unit, cut = "rows", ""
     max_length: int
 
     def __init__(self) -> None:

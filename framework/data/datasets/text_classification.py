@@ -47,10 +47,11 @@ class PadCollator:
                 batch[key] = torch.stack(values)
                 continue
             fill = self.pad_id if key.endswith("input_ids") else IGNORE_INDEX if key.endswith("labels") else 0
-            longest = length or max(len(v) for v in values)
-            batch[key] = torch.stack(
-                [torch.nn.functional.pad(v, (0, longest - len(v)), value=fill) for v in values]
-            )
+            padded = torch.nn.utils.rnn.pad_sequence(values, batch_first=True, padding_value=fill)
+            if length is not None and padded.shape[1] < length:
+                more = padded.new_full((len(values), length - padded.shape[1], *padded.shape[2:]), fill)
+                padded = torch.cat([padded, more], dim=1)
+            batch[key] = padded
         return batch
 
     def __repr__(self) -> str:
