@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -96,6 +99,14 @@ def run_train(args: list[str], run_dir: Path, timeout: float = 240, nproc: int =
     cmd = torchrun(nproc) if nproc else [sys.executable]
     cmd += [str(ROOT / "train.py"), *args, f"hydra.run.dir={run_dir}"]
     return run_cmd(cmd, timeout, env)
+
+
+@contextlib.contextmanager
+def train_aside(args: list[str], run_dir: Path, timeout: float = 240) -> Iterator[Future]:
+    """`run_train` in a thread while the block runs (the uninterrupted twin of a run the block
+    kills: each is mostly start-up on 2 cores); the block's end waits for it."""
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(run_train, args, run_dir, timeout)
 
 
 def fails_cleanly(run: subprocess.CompletedProcess, *words: str) -> None:

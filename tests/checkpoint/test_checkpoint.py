@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from framework.checkpoint.preemption import EXIT_PREEMPTED
 from framework.export import fp32_state_dict, load_weights
 from framework.models import MLP
 
-from ..conftest import FAST, ROOT, end_group, final_metrics, popen, run_cmd, run_train, torchrun
+from ..conftest import FAST, ROOT, end_group, final_metrics, popen, run_cmd, run_train, torchrun, train_aside
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -89,8 +88,7 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, case):
     args = [*CASES[case], "trainer.epochs=2", "trainer.log_freq=1", "trainer.checkpoint.save_freq=5"]
     killed_dir = tmp_path / "killed"
     # The uninterrupted run and the one to kill side by side (each is mostly start-up on 2 cores).
-    with ThreadPoolExecutor(1) as pool:
-        uninterrupted = pool.submit(run_train, args, tmp_path / "full")
+    with train_aside(args, tmp_path / "full") as uninterrupted:
         reached = kill_after(start([*args, SLOW], killed_dir), killed_dir, random.Random(case).randint(7, 9))
         full = uninterrupted.result()
     assert full.returncode == 0, full.stderr[-3000:]
@@ -279,10 +277,11 @@ def test_pipeline_sigkill_then_resume_logs_the_same_losses(tmp_path):
         "trainer.valid_at_start=false",
         "data.dataset.max_chars=200000",
     ]
-    full = run_train(args, tmp_path / "full")
-    assert full.returncode == 0, full.stderr[-3000:]
     killed_dir = tmp_path / "killed"
-    reached = kill_after(start([*args, SLOW], killed_dir), killed_dir, 9)
+    with train_aside(args, tmp_path / "full") as uninterrupted:
+        reached = kill_after(start([*args, SLOW], killed_dir), killed_dir, 9)
+        full = uninterrupted.result()
+    assert full.returncode == 0, full.stderr[-3000:]
     assert reached < 16
     resumed = run_train([*args, "trainer.resume=auto"], killed_dir)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -16,7 +16,16 @@ from framework.data.streams import Reader
 from framework.export import fp32_state_dict
 
 from ..checkpoint.test_checkpoint import SLOW, kill_after, records, start
-from ..conftest import ROOT, end_group, fails_cleanly, final_metrics, run_cmd, run_train, torchrun
+from ..conftest import (
+    ROOT,
+    end_group,
+    fails_cleanly,
+    final_metrics,
+    run_cmd,
+    run_train,
+    torchrun,
+    train_aside,
+)
 from ..scripts import stream_layout
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -83,11 +92,12 @@ def test_killed_twice_mid_stream_resumes_bit_for_bit(tmp_path, workers):
                 + "\n"
             )
     args = [*STREAM_RUN, f"data.dataset.data_files={text}", f"data.num_workers={workers}"]
-    full = run_train(args, tmp_path / "full", timeout=400)
+    killed = tmp_path / "killed"
+    with train_aside(args, tmp_path / "full", timeout=400) as uninterrupted:
+        first = kill_after(start([*args, SLOW], killed), killed, 9)
+        full = uninterrupted.result()
     assert full.returncode == 0, full.stderr[-3000:]
     assert final_metrics(tmp_path / "full")["step"] == 30
-    killed = tmp_path / "killed"
-    first = kill_after(start([*args, SLOW], killed), killed, 9)
     second = kill_after(start([*args, SLOW, "trainer.resume=auto"], killed), killed, first + 9)
     assert first < second < 30
     resumed = run_train([*args, "trainer.resume=auto"], killed, timeout=400)
