@@ -380,10 +380,12 @@ def _shell_env() -> dict[str, str]:
 
 
 def check_train_py(cuda: bool, steps: int) -> dict[str, Any]:
-    """train.py end to end on the device; trainer.accelerator=cpu trains on the CPU."""
+    """train.py end to end on the device; trainer.accelerator=cpu trains on the CPU (asked only
+    where the default is a GPU: on a CPU machine it is the default's run again)."""
     results = {}
+    runs = [("default", [])] + ([("cpu", ["trainer.accelerator=cpu"])] if cuda else [])
     with tempfile.TemporaryDirectory() as tmp:
-        for name, extra in (("default", []), ("cpu", ["trainer.accelerator=cpu"])):
+        for name, extra in runs:
             run = subprocess.run(
                 [sys.executable, str(ROOT / "train.py"), f"trainer.max_steps={steps}", "trainer.epochs=1", *extra, f"hydra.run.dir={tmp}/{name}"],
                 capture_output=True, text=True, cwd=ROOT, env={**_shell_env(), "OMP_NUM_THREADS": "1"},
@@ -395,7 +397,7 @@ def check_train_py(cuda: bool, steps: int) -> dict[str, Any]:
                 "tail": run.stderr[-3000:] if run.returncode else "",
             }
     ok = results["default"]["returncode"] == 0 and results["default"]["device"] == ("cuda" if cuda else "cpu")
-    ok &= results["cpu"]["returncode"] == 0 and results["cpu"]["device"] == "cpu"
+    ok &= not cuda or (results["cpu"]["returncode"] == 0 and results["cpu"]["device"] == "cpu")
     return {"ok": ok, "detail": results}
 
 

@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         }
         for peer in peers:
             variants[peer] = (peer, None)
-            variants[f"{peer} + same allocator"] = (peer, same_allocator_env())
+            if not args.smoke:  # --smoke: the plain loop's row checks the allocator path
+                variants[f"{peer} + same allocator"] = (peer, same_allocator_env())
         results: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
         for _ in range(repeats):
             for name, (framework, extra_env) in variants.items():
