@@ -36,11 +36,13 @@ if TYPE_CHECKING:
 
 @dataclass
 class Stateful:
-    """The parts of a run a checkpoint holds."""
+    """The parts of a run a checkpoint holds; `step`: the training step's object, whose window
+    between logging points (`step_state`, e.g. DPO's rewards) is kept too (`framework.engine.steps`)."""
 
     runtime: Runtime
     state: LoopState
     metrics: Metrics
+    step: Any = None
 
 
 # ---------------------------------------------------------------------------- save / load
@@ -52,6 +54,7 @@ def rank_state(parts: Stateful) -> dict[str, Any]:
         "loop": parts.state.state_dict(),
         "metrics": {"train": parts.metrics.train.state_dict(), "eval": parts.metrics.eval.state_dict()},
         "rng": rng.state(parts.runtime.device),
+        "step": parts.step.step_state() if hasattr(parts.step, "step_state") else None,
         "world_size": parts.runtime.world_size,
         "dp_size": parts.runtime.dp_size,
     }
@@ -227,13 +230,15 @@ def _load(parts: Stateful, path: Path) -> None:
         parts.metrics.train.load_state_dict(saved["metrics"]["train"], job.device)
         parts.metrics.eval.load_state_dict(saved["metrics"]["eval"], job.device)
         rng.restore(saved["rng"], job.device)
+        _load_step_state(parts, [saved["step"]] if saved.get("step") else [])
         return
     # Another layout: continue at the same sample of the epoch's order, with global epoch sums.
     files = {rank: store.rank_file(path, rank) for rank in range(int(meta["world_size"]))}
-    every = {
-        rank: safety.load_safely(file) for rank, file in files.items() if file.is_file()
-    }  # `store.check`ed
+    every = {rank: safety.load_safely(file) for rank, file in files.items() if file.is_file()}  # checked
     state.load_loss_means([s["loop"] for s in every.values()])
+    # a step's window (sums over ranks): every saved rank's on this run's rank 0, none elsewhere
+    windows = [s["step"] for s in every.values() if s.get("step")] if job.rank == 0 else []
+    _load_step_state(parts, windows)
     tp = int(meta.get("tp_size", 1))  # a tensor-parallel group's ranks count the same samples: one of each
     distinct = [s for rank, s in every.items() if rank % tp == 0]
     for mode in ("train", "eval"):
@@ -245,6 +250,11 @@ def _load(parts: Stateful, path: Path) -> None:
     state.batches_in_epoch = consumed // (runtime.layout.micro_batch_size * runtime.dp_size)
     per_call = runtime.strategy.accumulation_steps if runtime.strategy.uses_pipeline else 1
     state.step_calls = state.batches_in_epoch // per_call
+
+
+def _load_step_state(parts: Stateful, states: list[dict[str, Any]]) -> None:
+    if hasattr(parts.step, "load_step_state"):
+        parts.step.load_step_state(states, parts.runtime.process.device)
 
 
 def _takes_merged(mesh: Mesh) -> bool:

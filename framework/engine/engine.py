@@ -35,7 +35,7 @@ from framework.engine import autotune, construct, evaluation, fine_grained, loop
 from framework.engine.arguments import check_dataset, check_engine_arguments, check_pipeline
 from framework.engine.fine_grained import check_mode
 from framework.engine.fit_config import FitConfig, fit_config
-from framework.engine.steps import LossFunction, resolve_step
+from framework.engine.steps import LossFunction, owner, resolve_step
 from framework.errors import ConfigError
 from framework.observe.callbacks import Callback, CallbackList
 from framework.observe.metrics import Metrics
@@ -307,8 +307,11 @@ class Engine:
         if not self.runtime.ready:
             raise ConfigError("nothing to save yet: prepare(mode=...) or fit() first")
         if training:
-            return str(checkpoint.save(checkpoint.Stateful(self.runtime, self.state, self.metrics), path))
+            return str(checkpoint.save(self._stateful(), path))
         return str(weights.save_consolidated(self.runtime, path))
+
+    def _stateful(self) -> checkpoint.Stateful:
+        return checkpoint.Stateful(self.runtime, self.state, self.metrics, owner(self.train_step_fn))
 
     def load(self, path: str) -> None:
         """Load what `save` wrote: a checkpoint (dir) restores weights, optimizer and loop state;
@@ -319,7 +322,7 @@ class Engine:
                 self.runtime.load_universal = checkpoint.needs_universal(found, self.runtime.mesh)
             self.prepare("train" if self.optimizer_spec is not None and self.loss is not None else "predict")
         if found is not None:
-            checkpoint.load(checkpoint.Stateful(self.runtime, self.state, self.metrics), found)
+            checkpoint.load(self._stateful(), found)
             self.state.info.resumed_from = str(found)
         else:
             self.runtime.load_full_state_dict(weights.load_weights(path))

@@ -18,7 +18,7 @@ from framework.data.outputs import batch_size_of
 from framework.data.stream_loader import StreamLoader
 from framework.engine.evaluation import Host
 from framework.engine.items import StepWeights, window_weights
-from framework.engine.steps import apply_train_result, bind_step, default_train_step
+from framework.engine.steps import apply_train_result, bind_step, default_train_step, owner
 from framework.observe.callbacks import CallbackList, Event
 from framework.observe.state import LoopState
 from framework.observe.throughput import Speedometer
@@ -254,7 +254,7 @@ def _after_step(
 def _objective_logs(host: Host) -> dict[str, Any]:
     """What a training step object measures over the steps since the last logging point (its
     `step_logs(device)`, e.g. DPO's rewards), reduced over ranks: collective, every rank logs."""
-    read = getattr(host.train_step_fn, "step_logs", None)
+    read = getattr(owner(host.train_step_fn), "step_logs", None)
     return read(host.runtime.process.collective_device) if callable(read) else {}
 
 

@@ -23,6 +23,7 @@ from framework.engine.steps import (
     bind_step,
     default_eval_step,
     default_predict_step,
+    owner,
 )
 from framework.errors import ConfigError
 from framework.observe.callbacks import CallbackList
@@ -130,6 +131,9 @@ def evaluate(
     result = {"loss": sum(s for s, _ in totals) / total_count} if total_count else {}
     result.update(host.metrics.eval.compute())
     host.metrics.eval.reset()
+    extra = getattr(owner(host.eval_step_fn), "eval_logs", None)  # e.g. DPO's rewards
+    if callable(extra):
+        result.update(extra(runtime.process.collective_device))
     finite.check_validation(result, losses, runtime.process)
     return result
 

@@ -21,6 +21,7 @@ from framework.data.streams import is_stream
 from framework.engine.epoch import train_epoch
 from framework.engine.evaluation import Host, evaluate
 from framework.engine.fit_config import FitConfig
+from framework.engine.steps import owner
 from framework.errors import CheckpointError, ConfigError, NonFiniteLoss
 from framework.observe.callbacks import Callback, CallbackList, Control, Event
 from framework.observe.loggers import ConsoleLogger
@@ -73,7 +74,7 @@ def fit(
     host.prepare("train", cfg.batch_size)
     _start_run(host, cfg, plan, has_valid=valid_data is not None)
     speed = Speedometer(runtime, cfg.batch_size, cfg.peak_tflops)
-    parts = checkpoint.Stateful(runtime, st, host.metrics)
+    parts = checkpoint.Stateful(runtime, st, host.metrics, owner(host.train_step_fn))
     if plan.resume_from is not None:
         checkpoint.load(parts, Path(plan.resume_from))
         st.info.resumed_from = plan.resume_from

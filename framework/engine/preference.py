@@ -26,7 +26,9 @@ handed to its own DeepSpeed engine at the first step, so partitioned like the po
 
 Each logged step gets TRL's reward metrics over the pairs since the last logging point, summed
 over ranks (`step_logs`): rewards/chosen, rewards/rejected (beta x (policy - reference)),
-rewards/margins and rewards/accuracy (the share of pairs whose chosen reward is higher).
+rewards/margins and rewards/accuracy (the share of pairs whose chosen reward is higher). A
+checkpoint keeps those sums (`step_state`), so a resumed run logs what the uninterrupted one
+logs; validation reports the same four over its pairs (`eval_logs`: val_rewards/...).
 """
 
 from __future__ import annotations
@@ -125,6 +127,17 @@ class RewardMeter:
         ).double()
         self.sums = row if self.sums is None else self.sums + row
 
+    def state_dict(self) -> dict[str, Any]:
+        """The sums since the last read, on the CPU (a checkpoint between logging points)."""
+        return {"sums": None if self.sums is None else self.sums.detach().cpu()}
+
+    def load_sums(self, states: list[dict[str, Any]], device: torch.device | None = None) -> None:
+        """The sum of `states` (`state_dict`s: this rank's, or on another number of ranks every
+        saved rank's, given to one rank) as this meter's; reads over all ranks then see the
+        saved window's totals whatever the layout."""
+        saved = [s["sums"] for s in states if s.get("sums") is not None]
+        self.sums = torch.stack(saved).sum(0).to(device or "cpu", torch.float64) if saved else None
+
     def read(self, device: torch.device | None = None) -> dict[str, float]:
         """Means over every rank's pairs since the last read (collective: every rank calls it)."""
         sums = self.sums if self.sums is not None else torch.zeros(5, dtype=torch.float64)
@@ -160,7 +173,8 @@ class DPO:
         self.beta, self.loss_type, self.label_smoothing = float(beta), loss_type, float(label_smoothing)
         self.precompute_reference = bool(precompute_reference)
         self.reference = reference
-        self.meter = RewardMeter()
+        self.meter = RewardMeter()  # training pairs since the last logging point
+        self.eval_meter = RewardMeter()  # validation pairs of the evaluation under way
         self._placed = False
         if reference is not None:
             reference.eval().requires_grad_(False)
@@ -172,8 +186,10 @@ class DPO:
         return losses.mean()
 
     def eval_step(self, engine: Any, batch: dict[str, Any]) -> torch.Tensor:
-        """The mean validation loss over the batch's pairs."""
-        return self.losses(engine, batch)[0].mean()
+        """The mean validation loss over the batch's pairs; their rewards join the validation meter."""
+        losses, chosen, rejected = self.losses(engine, batch)
+        self.eval_meter.add(chosen, rejected)
+        return losses.mean()
 
     def losses(self, engine: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, ...]:
         """(losses, chosen rewards, rejected rewards) of the batch's pairs."""
@@ -216,6 +232,20 @@ class DPO:
     def step_logs(self, device: torch.device | None = None) -> dict[str, float]:
         """The reward metrics since the last logging point (collective; the loop calls it)."""
         return self.meter.read(device)
+
+    def eval_logs(self, device: torch.device | None = None) -> dict[str, float]:
+        """The reward metrics of the validation pairs since the last call (collective; evaluation
+        calls it at its end: logged as val_rewards/...)."""
+        return self.eval_meter.read(device)
+
+    def step_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps: the rewards of the steps since the last logging point."""
+        return {"rewards": self.meter.state_dict()}
+
+    def load_step_state(self, states: list[dict[str, Any]], device: torch.device | None = None) -> None:
+        """Put back `step_state`s (this rank's; on another number of ranks every saved rank's on
+        one rank, none on the others)."""
+        self.meter.load_sums([s["rewards"] for s in states], device)
 
 
 @torch.no_grad()

@@ -13,6 +13,12 @@ Steps get the `Engine` as their first argument; this module only relies on what 
 of it (`model`, `module`, `runtime`, `loss`, `metrics`, `label_key`, `output_key`,
 `backward_and_step`).
 
+A step object (or the object a step method belongs to) may measure more than the loss: the
+loop logs what its `step_logs(device)` returns at each logging point, and evaluation what its
+`eval_logs(device)` returns at the end (as val_...); both are collective, every rank calls them.
+What such a window holds survives a checkpoint through `step_state()` (plain data, CPU tensors)
+and `load_step_state(states, device)`. `framework.engine.preference.DPO` is one.
+
 The default steps call a model that can return its key/value cache (a Hugging Face model's
 `use_cache`) with `use_cache=False` unless the batch sets it: evaluation and prediction keep
 outputs, so a cache per batch would pile up on the device, and in training a cache serves nothing
@@ -52,6 +58,12 @@ def takes_iterator(fn: Callable[..., Any]) -> bool:
         return ITERATOR_ARG in inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
+
+
+def owner(step_fn: Any) -> Any:
+    """What a step's extra methods (`step_logs`, `eval_logs`, `step_state`) live on: the object a
+    bound step method belongs to (`dpo.eval_step`), else the step itself."""
+    return getattr(step_fn, "__self__", step_fn)
 
 
 def bind_step(step_fn: Callable[..., Any]) -> Callable[[Any, Iterator[Any]], Any]:

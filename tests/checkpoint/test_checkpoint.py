@@ -75,8 +75,14 @@ CASES = {
         "adapter.dropout=0 +strategy=zero3 trainer.max_steps=16 trainer.batch_size=8 trainer.valid_steps=1"
     ).split(),
     # DPO with LoRA: two passes per step (adapters on, then off for the reference); rewards logged
-    "dpo-lora": ["experiment=dpo_lora", "trainer.devices=1", "trainer.batch_size=1"],
+    # every 3 steps, so the checkpoint at step 5 holds a window of rewards (steps 4-5) to resume
+    "dpo-lora": ["experiment=dpo_lora", "trainer.devices=1", "trainer.batch_size=1", "trainer.log_freq=3"],
 }
+COMMON = {
+    "trainer.epochs": 2,
+    "trainer.log_freq": 1,
+    "trainer.checkpoint.save_freq": 5,
+}  # unless a case sets it
 # Resumed to float rounding, not bit for bit: after a DPO resume the gradients drift by an ulp or
 # two (grad_norm 1e-8 apart on steps whose losses are equal; ZeRO-0 and ZeRO-3 alike); not found yet.
 NOT_BITWISE = {"dpo-lora": 1e-6}
@@ -85,7 +91,8 @@ NOT_BITWISE = {"dpo-lora": 1e-6}
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, case):
-    args = [*CASES[case], "trainer.epochs=2", "trainer.log_freq=1", "trainer.checkpoint.save_freq=5"]
+    given = {arg.split("=")[0] for arg in CASES[case]}
+    args = [*CASES[case], *(f"{key}={value}" for key, value in COMMON.items() if key not in given)]
     killed_dir = tmp_path / "killed"
     # The uninterrupted run and the one to kill side by side (each is mostly start-up on 2 cores).
     with train_aside(args, tmp_path / "full") as uninterrupted:
@@ -103,6 +110,8 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, case):
         assert torch.allclose(a[key], b[key], rtol=0, atol=tol), (
             f"{key} differs after resuming (killed at step {reached})"
         )
+    if case == "dpo-lora":  # the rewards of training's window and of validation's pairs
+        assert {"rewards/margins", "val_rewards/margins"} <= set().union(*records(killed_dir))
     if not tol:
         assert records(killed_dir) == records(tmp_path / "full")  # every logged loss and metric, merged
         return

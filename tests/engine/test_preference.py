@@ -115,6 +115,32 @@ def test_dpo_loss_and_rewards_equal_trl(trl_batch):
     assert abs(loss.item() - math.log(2)) > 1e-3  # the policy really differs
 
 
+def test_validation_rewards_are_their_own_and_a_checkpointed_window_reads_the_same(trl_batch):
+    """eval_step feeds a meter of its own (eval_logs: TRL's eval rewards), apart from the training
+    window; the window a checkpoint keeps (step_state) reads the same in a new run, and two saved
+    ranks' windows given to one rank (another number of ranks) read as both together."""
+    host, batch = _as_step_host(trl_batch.policy), _ours_from_trl(trl_batch.batch)
+    dpo = DPO(beta=0.1, reference=copy.deepcopy(trl_batch.reference))
+    dpo.eval_step(host, batch)
+    assert dpo.step_logs() == {}  # validation pairs are not training's
+    assert dpo.eval_logs()["rewards/margins"] == pytest.approx(trl_batch.metrics["rewards/margins"], abs=1e-5)
+    assert dpo.eval_logs() == {}  # read once
+
+    halves = [{k: v[:3] for k, v in batch.items()}, {k: v[3:] for k, v in batch.items()}]
+    ranks = [DPO(beta=0.1, reference=copy.deepcopy(trl_batch.reference)) for _ in halves]
+    for rank, half in zip(ranks, halves):
+        rank(host, half)
+        dpo(host, half)
+    one, two = [dpo.step_state()], [rank.step_state() for rank in ranks]
+    want = dpo.step_logs()  # what the uninterrupted run logs
+    for states in (one, two):
+        resumed = DPO(beta=0.1, reference=copy.deepcopy(trl_batch.reference))
+        resumed.load_step_state(states)
+        assert resumed.step_logs() == pytest.approx(want, abs=1e-12)
+    resumed.load_step_state([])  # a rank given no window (another layout's other ranks)
+    assert resumed.step_logs() == {}
+
+
 def test_ipo_loss_equals_trl(trl_batch):
     """IPO: log-probabilities averaged over the answer tokens, TRL's squared loss."""
     dpo = DPO(beta=0.1, loss_type="ipo", reference=copy.deepcopy(trl_batch.reference))
