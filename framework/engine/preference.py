@@ -251,8 +251,9 @@ class DPO:
 @torch.no_grad()
 def with_reference_logps(engine: Any, dataset: Any, batch_size: int, collate_fn: Any) -> Any:
     """`dataset` with each pair's reference log-probabilities, computed now by the model as it is
-    (before training: the reference), `batch_size` pairs per forward pass. Every rank computes
-    every pair (under ZeRO-3 the forward passes are collective, in the same order on all ranks)."""
+    (before training: the reference), `batch_size` pairs per forward pass. The batches are shared
+    out over the data-parallel ranks and the results gathered; every rank makes the same number
+    of forward passes (under ZeRO-3 they are collective), one that has run out repeating its last."""
     if not hasattr(dataset, "__len__"):
         raise ConfigError(
             "objective.precompute_reference=true stores log-probabilities with map-style data, not a stream: "
@@ -261,18 +262,27 @@ def with_reference_logps(engine: Any, dataset: Any, batch_size: int, collate_fn:
     objective = engine.train_step_fn
     average = getattr(objective, "loss_type", "sigmoid") == "ipo"
     engine.prepare("train")
-    runtime, chosen, rejected = engine.runtime, [], []
+    runtime = engine.runtime
+    starts = list(range(0, len(dataset), batch_size))
+    mine = starts[runtime.mesh.dp_rank :: runtime.mesh.dp_size]
+    calls = -(-len(starts) // runtime.mesh.dp_size)
+    done: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     was_training = runtime.training
     runtime.train(False)
     try:
-        for start in range(0, len(dataset), batch_size):
+        for call in range(calls):
+            start = mine[min(call, len(mine) - 1)] if mine else 0
             rows = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
             batch = engine.transfer(collate_fn(rows))
             c, r = pair_logps(engine.model, batch, average, engine.output_key, takes_use_cache(engine.module))
-            chosen.append(c.cpu())
-            rejected.append(r.cpu())
+            done[start] = (c.cpu(), r.cpu())
     finally:
         runtime.train(was_training)
+    for part in runtime.process.all_gather_object(done if mine else {}):
+        done.update(part)
+    if not starts:
+        return WithReference(dataset, torch.zeros(0), torch.zeros(0))
+    chosen, rejected = zip(*(done[start] for start in starts))
     return WithReference(dataset, torch.cat(chosen), torch.cat(rejected))
 
 
