@@ -4,9 +4,12 @@ logging points.
 
 * FLOPs per optimizer step and rank: for a transformer whose shape is known (the framework's
   GPT, a Hugging Face causal LM) the standard count, 6 N + 12 L d T per token (N parameters, L
-  layers, d width, T context: weights forward and backward, plus attention); otherwise
-  `torch.utils.flop_counter.FlopCounterMode` over the run's first optimizer step (forward and
-  backward of every micro-batch, as the step really computes them). `flops_source` says which.
+  layers, d width, T context: weights forward and backward, plus attention); otherwise counted
+  over the run's first optimizer step (forward and backward of every micro-batch, as the step
+  really computes them) by `FlopCount`, with the formulas of `torch.utils.flop_counter`.
+  `flops_source` says which. The counted step computes what any other step computes, bit for
+  bit: torch's own `FlopCounterMode` decomposes the operators it has no formula for (SiLU's
+  backward, for one), which moved a resumed run's first step (the one counted there) by an ulp.
 * Peak FLOP/s of one device: on CUDA from a table of dense peaks per GPU and dtype (TF32 for
   fp32 when it is on); `trainer.peak_tflops` overrides it. A CPU has no peak we can trust (a
   matmul probe read half the real rate while another rank or job shared the cores, and MFU then
@@ -27,6 +30,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.utils import flop_counter
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # Dense peak TFLOP/s per device, by name fragment (checked in order) and compute dtype.
 # fp32 is the TF32 tensor-core rate (used when TF32 is on), fp32_plain the CUDA-core rate.
@@ -123,6 +128,33 @@ class PhaseTimer:
         return totals
 
 
+class FlopCount(TorchDispatchMode):
+    """While active: the FLOPs of every operator that runs, from `torch.utils.flop_counter`'s
+    formulas (matmuls, convolutions, attention), each operator run as it is (see the module doc)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_counter.flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            self.flops += formula(*args, **kwargs, out_val=out)
+        elif func._overloadpacket is _CPU_ATTENTION:  # (query, key, value, ...)
+            self.flops += flop_counter.sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape)
+        elif func._overloadpacket is _CPU_ATTENTION_BACKWARD:  # (grad_out, query, key, value, ...)
+            shapes = [a.shape for a in args[:4]]
+            self.flops += flop_counter.sdpa_backward_flop_count(*shapes)
+        return out
+
+
+# torch has no formula for its CPU attention kernels; they compute what the flash kernel's count
+_CPU_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_CPU_ATTENTION_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
 class Speedometer:
     """Throughput, MFU and phase times per logging interval of one `fit`."""
 
@@ -135,7 +167,7 @@ class Speedometer:
         self.flops_per_step: float | None = None  # per rank
         self.source = ""
         self.measured = False
-        self._counter: Any = None  # a FlopCounterMode while the first optimizer step is counted
+        self._counter: FlopCount | None = None  # while the first optimizer step is counted
         self._counted, self._count_from = 0, 0
         self.peak = peak_tflops * 1e12 if peak_tflops else self._device_peak()
         self.since, self.steps_at = time.perf_counter(), 0
@@ -166,9 +198,7 @@ class Speedometer:
             self.flops_per_step = per_token * self.tokens * per_step / split
             self.source = "formula: 6 N + 12 L d T per token"
         elif not runtime.strategy.uses_pipeline:
-            from torch.utils.flop_counter import FlopCounterMode
-
-            self._counter, self._counted = FlopCounterMode(display=False), 0
+            self._counter, self._counted = FlopCount(), 0
             self._count_from = runtime.global_steps
 
     @contextlib.contextmanager
@@ -180,13 +210,14 @@ class Speedometer:
         if counter is None:
             yield
             return
+        counter.flops = 0
         with counter:
             yield
-        self._counted += counter.get_total_flops()
+        self._counted += counter.flops
         steps = self.runtime.global_steps - self._count_from
         if steps > 0:
             self.flops_per_step, self._counter = self._counted / steps, None
-            self.source = "counted: FlopCounterMode over the first optimizer step"
+            self.source = "counted over the first optimizer step"
 
     def logs(self, step: int) -> dict[str, float]:
         """Numbers for the interval since the last call (reads the device's timing events)."""

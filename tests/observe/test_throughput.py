@@ -10,6 +10,7 @@ import torch
 from framework import Engine, Strategy
 from framework.data.datasets import chars, synthetic
 from framework.models import GPT, MLP, LMLoss
+from framework.observe.throughput import FlopCount
 
 from ..conftest import end_group
 
@@ -88,3 +89,32 @@ def test_mfu_is_never_above_100_percent_and_needs_a_peak_on_a_cpu(capsys):
         assert engine.state.info.flops_per_step > 0
         assert capsys.readouterr().err.count("warning: MFU left out: it would read") == said
         end_group()
+
+
+def test_a_counted_step_trains_exactly_as_an_uncounted_one():
+    """Counting FLOPs runs every operator as it is: the gradients of a SiLU MLP with attention
+    (whose backward torch's FlopCounterMode decomposes, an ulp away) are the same bit for bit, and
+    the count holds the matmuls and the CPU attention kernel, forward and backward."""
+    torch.manual_seed(0)
+    up, down = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
+    x = torch.randn(2, 4, 8, 16)  # (batch, heads, tokens, width)
+
+    def grads():
+        for p in (*up.parameters(), *down.parameters()):
+            p.grad = None
+        h = torch.nn.functional.silu(up(x))
+        attended = torch.nn.functional.scaled_dot_product_attention(x, x, down(h), is_causal=True)
+        attended.square().sum().backward()
+        return [p.grad.clone() for p in (*up.parameters(), *down.parameters())]
+
+    plain = grads()
+    counter = FlopCount()
+    with counter:
+        counted = grads()
+    assert all(torch.equal(a, b) for a, b in zip(plain, counted, strict=True))
+    rows = 2 * 4 * 8
+    matmuls = 3 * 2 * rows * 16 * 64 * 2 - 2 * rows * 16 * 64  # up, down: forward, both grads; no dx of up
+    # 8x8 attention over 2x4 heads of width 16: QK^T and PV forward; backward recomputes QK^T
+    # and makes the gradients of V, the scores, Q and K
+    attention = (2 + 5) * 2 * (2 * 4) * 8 * 8 * 16
+    assert counter.flops == matmuls + attention
