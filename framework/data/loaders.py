@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from framework.data.stream_loader import StreamLoader
+from framework.data.stream_loader import StreamLoader, own_generator
 from framework.data.streams import as_stream
 from framework.errors import ConfigError
 from framework.process.environment import cores_per_rank
@@ -89,6 +89,7 @@ def train_loader(
         drop_last=drop_last,
         collate_fn=collate_fn,
         num_workers=num_workers,
+        generator=own_generator(seed),
     )
 
 
@@ -120,7 +121,12 @@ def eval_loader(
     """This rank's evaluation loader; the first `loader.sampler.unpadded` samples are not padding."""
     sampler = EvalShardSampler(dataset_len(dataset), dp_size, dp_rank)
     return DataLoader(
-        dataset, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate_fn, num_workers=num_workers
+        dataset,
+        batch_size=micro_batch_size,
+        sampler=sampler,
+        collate_fn=collate_fn,
+        num_workers=num_workers,
+        generator=own_generator(),
     )
 
 

@@ -68,6 +68,14 @@ def _as_is(item: Any) -> Any:
     return item
 
 
+def own_generator(seed: int = 0) -> torch.Generator:
+    """A generator for a loader's own draws. Each `iter(loader)` draws its workers' base seed,
+    from the global torch generator unless the loader has one: a run resumed mid-epoch makes its
+    iterator after the checkpoint put the global generator back, so that draw moved every dropout
+    mask after a resume. With its own generator a loader never touches the model's randomness."""
+    return torch.Generator().manual_seed(seed)
+
+
 class _Readers(torch.utils.data.IterableDataset):
     """One rank's readers as a torch dataset: in loader worker j (of W) it is reader
     rank + D * ((j + first) mod W), so the loader's round robin over workers is the rank's slot order."""
@@ -177,7 +185,11 @@ class StreamLoader:
         first = (self._consumed // self.dp_size) % workers
         readers = _Readers(self.stream, self.dp_size, self.dp_rank, self.epoch, dict(self._resume), first)
         loader = torch.utils.data.DataLoader(
-            readers, batch_size=None, num_workers=self.num_workers, collate_fn=_as_is
+            readers,
+            batch_size=None,
+            num_workers=self.num_workers,
+            collate_fn=_as_is,
+            generator=own_generator(),
         )
         return self._batches(self._items(_start(loader, self.num_workers), workers))
 

@@ -166,7 +166,9 @@ def generator_loader(
     else:
         per_rank = eval_split(runtime.mesh, batch_size)
     source = data_lib.GeneratorDataset(generator, runtime.dp_size, runtime.dp_rank)
-    loader = torch.utils.data.DataLoader(source, batch_size=per_rank, drop_last=True, collate_fn=collate_fn)
+    loader = torch.utils.data.DataLoader(
+        source, batch_size=per_rank, drop_last=True, collate_fn=collate_fn, generator=data_lib.own_generator()
+    )
     host.prepare(mode, batch_size if mode == "train" else None)
     return DeviceLoader(loader, runtime.copier, epochs, steps_per_epoch, host.prefetch, batch_size)
 
