@@ -127,12 +127,13 @@ class _EpochData:
         rank stops; training stops everywhere when it stops on one rank."""
         budget_over = _budget_over(st, pipeline_calls, steps_per_epoch)
         over = st.stop_training or budget_over or (pipeline_calls is None and self.batches.exhausted())
-        if not self.stream or not self.runtime.at_step_boundary():
+        if not self.runtime.at_step_boundary():
             return over
+        if not self.stream:  # the data ends every rank's pass at the same step; a stop need not
+            return agree_stop(st, self.runtime.process) or over
         short = len(self.batches.peek_many(self.need)) < self.need
         stop, end = self.runtime.process.agree(st.stop_training, over or short)
-        if stop and not st.stop_training:
-            st.stop_training, st.stop_reason = True, "training stopped on another rank"
+        _stopped_elsewhere(st, stop)
         self.ran_out = end and not stop and not budget_over
         return stop or end
 
@@ -181,6 +182,20 @@ def _epoch_logs(host: Host, pending: list[Any]) -> dict[str, Any]:
     logs: dict[str, Any] = {"loss": mean(st.epoch_loss.mean()), "lr": host.runtime.lr}
     logs.update(host.metrics.train.compute())
     return logs
+
+
+def agree_stop(st: LoopState, process: Any) -> bool:
+    """Whether training stops, agreed by every rank in one collective (a stop is not always asked
+    on every rank: a callback on a wall-clock budget or a rank's own values asks on one; the
+    others would wait in the next step's collectives until `trainer.timeout_s`)."""
+    stop, _ = process.agree(st.stop_training, False)
+    _stopped_elsewhere(st, stop)
+    return stop
+
+
+def _stopped_elsewhere(st: LoopState, stop: bool) -> None:
+    if stop and not st.stop_training:
+        st.stop_training, st.stop_reason = True, "training stopped on another rank"
 
 
 def _batch_limit(host: Host, loader_batches: int | None, budget: Budget) -> int | None:

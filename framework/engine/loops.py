@@ -18,7 +18,7 @@ from framework.data import loaders as data_lib
 from framework.data.device_loader import set_epoch
 from framework.data.stream_loader import StreamLoader
 from framework.data.streams import is_stream
-from framework.engine.epoch import train_epoch
+from framework.engine.epoch import agree_stop, train_epoch
 from framework.engine.evaluation import Host, evaluate
 from framework.engine.fit_config import FitConfig
 from framework.engine.steps import owner
@@ -131,7 +131,7 @@ def _epochs(
             st.history.setdefault(key, []).append(value)
         st.logs, st.elapsed_s = dict(logs, epoch=epoch + 1), time.perf_counter() - start
         events.fire(Event.EPOCH_END, st)
-        if st.stop_training:
+        if agree_stop(st, host.runtime.process):
             break
     if not st.stop_reason:  # the epochs ended it: the final line says so, and what it left unreached
         unreached = st.max_steps is not None and st.global_step < st.max_steps

@@ -282,6 +282,29 @@ def test_a_stopped_peer_ends_the_job_within_the_timeout_naming_it(tmp_path, stag
     assert ended - float(marker.read_text()) < 8 + 12, ended - float(marker.read_text())
 
 
+def test_a_stop_asked_on_one_rank_stops_every_rank_at_once(tmp_path):
+    """A callback that stops training on one rank only (rank 1, so the rank that reports learns
+    it from the other) ends every rank at that step, or after that epoch; each rank's next step
+    used to wait in its collectives for the timeout, then fail."""
+    from ..conftest import FAST, final_metrics, run_train, train_aside
+
+    def args(when: str) -> list[str]:
+        stop = f"+callbacks.stop={{_target_:tests.helpers.StopTrainingOnRank,rank:1,{when}}}"
+        return [stop, *FAST, "trainer.epochs=3", "trainer.devices=2", "trainer.timeout_s=8"]
+
+    with train_aside(args("epoch:1"), tmp_path / "epoch", timeout=120) as after_epoch:
+        at_step = run_train(args("step:3"), tmp_path / "step", timeout=120)
+        epoch_end = after_epoch.result()
+    for run, steps in ((at_step, 3), (epoch_end, 22)):  # an epoch is 22 steps of a global batch of 64
+        text = run.stdout + run.stderr
+        assert run.returncode == 0, text[-3000:]
+        assert (
+            f"done: {steps} optimizer steps" in run.stdout
+            and "(training stopped on another rank)" in run.stdout
+        )
+    assert final_metrics(tmp_path / "step")["step"] == 3 and final_metrics(tmp_path / "epoch")["step"] == 22
+
+
 @pytest.mark.slow
 def test_long_work_is_bounded_by_a_multiple_of_the_timeout():
     """A save whose peers never come (rank 0 waits in the slow group's 12-hour barrier) ends at

@@ -17,6 +17,22 @@ class RaiseOnRank(Callback):
             raise RuntimeError(f"injected failure on rank {self.rank} at step {state.global_step}")
 
 
+class StopTrainingOnRank(Callback):
+    """Ask training to stop on one rank only (a callback on a wall-clock budget or a rank's own
+    values), at the end of optimizer step `step`, or with `epoch` at the end of that epoch."""
+
+    def __init__(self, rank: int = 1, step: int | None = None, epoch: int | None = None):
+        self.rank, self.step, self.epoch = rank, step, epoch
+
+    def on_step_end(self, state):
+        if env_rank() == self.rank and state.global_step == self.step:
+            state.stop_training, state.stop_reason = True, f"asked on rank {self.rank}"
+
+    def on_epoch_end(self, state):
+        if env_rank() == self.rank and state.epoch + 1 == self.epoch:
+            state.stop_training, state.stop_reason = True, f"asked on rank {self.rank}"
+
+
 class StallOnRank(Callback):
     """Hang one rank at one optimizer step (a rank stuck in its own code)."""
 
