@@ -120,11 +120,10 @@ class _EpochData:
 
     def pass_over(self, st: LoopState, pipeline_calls: int | None, steps_per_epoch: int | None) -> bool:
         """True when the pass has no step left: its budget spent (`_budget_over`), no batch left,
-        or training stopped. Over a stream,
-        whose ranks may run out at different steps, every way a pass ends is decided by all ranks
-        together at each optimizer-step boundary, in one collective: it goes on only when every
-        rank has the next step's batches (a custom step may pull more: as many as it did) and no
-        rank stops; training stops everywhere when it stops on one rank."""
+        or training stopped. At each optimizer-step boundary the ranks decide together, in one
+        collective: training stops everywhere when it stops on one rank (`agree_stop`), and over a
+        stream, whose ranks may run out at different steps, the pass goes on only when every rank
+        has the next step's batches (a custom step may pull more: as many as it did)."""
         budget_over = _budget_over(st, pipeline_calls, steps_per_epoch)
         over = st.stop_training or budget_over or (pipeline_calls is None and self.batches.exhausted())
         if not self.runtime.at_step_boundary():
