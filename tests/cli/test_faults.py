@@ -282,6 +282,7 @@ def test_a_stopped_peer_ends_the_job_within_the_timeout_naming_it(tmp_path, stag
     assert ended - float(marker.read_text()) < 8 + 12, ended - float(marker.read_text())
 
 
+@pytest.mark.slow
 def test_a_stop_asked_on_one_rank_stops_every_rank_at_once(tmp_path):
     """A callback that stops training on one rank only (rank 1, so the rank that reports learns
     it from the other) ends every rank at that step, or after that epoch; each rank's next step
