@@ -13,6 +13,7 @@ import math
 import os
 import re
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any, NoReturn
@@ -326,9 +327,24 @@ def worker_main(container: dict[str, Any], output_dir: str, context: dict[str, A
         if failure is None:
             raise
         print(f"Error: {failure}", file=sys.stderr, flush=True)
+        _let_the_cause_fail_first()
         sys.exit(1)
     except KeyboardInterrupt:  # SIGINT: torch's process wrapper would exit 0 without a result
         sys.exit(130)
+
+
+# How long a worker whose collective failed because of another rank waits before it exits.
+CAUSE_GRACE_S = 5.0
+
+
+def _let_the_cause_fail_first() -> None:
+    """Wait, at most CAUSE_GRACE_S or until the launcher's SIGTERM, before this worker exits: a
+    rank that raised tears its groups down first, so the others' collectives fail at once, often
+    before it has exited itself, and the launcher would name the first rank to exit (this one,
+    with no traceback) instead of the one that failed."""
+    deadline = time.monotonic() + CAUSE_GRACE_S
+    while time.monotonic() < deadline and preemption.requested_at() is None:
+        time.sleep(0.05)
 
 
 # What gloo says when the other end of a collective stopped, died or never came.
