@@ -333,16 +333,10 @@ def worker_main(container: dict[str, Any], output_dir: str, context: dict[str, A
         sys.exit(130)
 
 
-# How long a worker whose collective failed because of another rank waits before it exits.
-CAUSE_GRACE_S = 5.0
-
-
-def _let_the_cause_fail_first() -> None:
-    """Wait, at most CAUSE_GRACE_S or until the launcher's SIGTERM, before this worker exits: a
-    rank that raised tears its groups down first, so the others' collectives fail at once, often
-    before it has exited itself, and the launcher would name the first rank to exit (this one,
-    with no traceback) instead of the one that failed."""
-    deadline = time.monotonic() + CAUSE_GRACE_S
+def _let_the_cause_fail_first(grace_s: float = 5.0) -> None:
+    """Wait (at most `grace_s`, or until the launcher's SIGTERM): the launcher names the first rank to
+    exit, which should be the one that raised (its traceback), not this one its teardown failed."""
+    deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and preemption.requested_at() is None:
         time.sleep(0.05)
 
