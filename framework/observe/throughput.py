@@ -168,7 +168,7 @@ class Speedometer:
         self.source = ""
         self.measured = False
         self._counter: FlopCount | None = None  # while the first optimizer step is counted
-        self._counted, self._count_from = 0, 0
+        self._count_from = 0
         self.peak = peak_tflops * 1e12 if peak_tflops else self._device_peak()
         self.since, self.steps_at = time.perf_counter(), 0
         self._over_peak_said = not runtime.process.is_main
@@ -198,7 +198,7 @@ class Speedometer:
             self.flops_per_step = per_token * self.tokens * per_step / split
             self.source = "formula: 6 N + 12 L d T per token"
         elif not runtime.strategy.uses_pipeline:
-            self._counter, self._counted = FlopCount(), 0
+            self._counter = FlopCount()
             self._count_from = runtime.global_steps
 
     @contextlib.contextmanager
@@ -210,13 +210,11 @@ class Speedometer:
         if counter is None:
             yield
             return
-        counter.flops = 0
-        with counter:
+        with counter:  # its count adds up over the calls of the first optimizer step
             yield
-        self._counted += counter.flops
         steps = self.runtime.global_steps - self._count_from
         if steps > 0:
-            self.flops_per_step, self._counter = self._counted / steps, None
+            self.flops_per_step, self._counter = counter.flops / steps, None
             self.source = "counted over the first optimizer step"
 
     def logs(self, step: int) -> dict[str, float]:
