@@ -73,7 +73,7 @@ def worker(kind: str, stage: int, offload: bool, model_name: str, steps: int, ba
     if kind == "ours":  # what train.py does: the runtime's host settings, the model built as it builds it
         from omegaconf import OmegaConf
 
-        from framework.cli.construct import build_model
+        from framework.recipe.model import build_model
 
         runtime = Runtime(strategy, job)
         strategy = runtime.strategy  # without an accelerator, offload is dropped

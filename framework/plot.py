@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 
 SKIP = {"kind", "step", "epoch", "batches", "batches_total", "samples"}
+# Names older records used -> the name they have now (TRL's): a quantity is one curve across both.
+RENAMED = {"rewards/accuracy": "rewards/accuracies", "val_rewards/accuracy": "val_rewards/accuracies"}
 
 
 def find_runs(paths: list[Path]) -> list[Path]:
@@ -52,7 +54,8 @@ def series(run: Path) -> dict[str, list[tuple[int, float]]]:
     per_step = {key for r in records if r.get("kind") == "step" for key in r}
     out: dict[str, list[tuple[int, float]]] = {}
     for record in records:
-        for key, value in record.items():
+        for old_or_new, value in record.items():
+            key = RENAMED.get(old_or_new, old_or_new)
             if key in SKIP or not isinstance(value, (int, float)):
                 continue
             if record.get("kind") != "step" and key in per_step:

@@ -54,6 +54,8 @@ ORDER = [
     "observe",
     "checkpoint",
     "engine",
+    "methods",
+    "recipe",
     "cli",
 ]
 # On top of the order: the model catalog and the two commands (`python -m framework.export / .plot`).
@@ -91,7 +93,7 @@ def test_framework_has_few_top_level_entries():
     entries = {p.name for p in PACKAGE.iterdir() if p.name != "__pycache__" and p.stem not in MOVED}
     packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
     assert packages == set(ORDER[1:]) | {"models"}, packages
-    assert len(entries - {"__init__.py"}) <= 13, sorted(entries)
+    assert len(entries - {"__init__.py"}) <= 15, sorted(entries)
 
 
 def test_every_package_states_its_rule():
@@ -180,12 +182,27 @@ def path_is_init(name: str) -> bool:
     return MODULES[name].name == "__init__.py"
 
 
+def _code_lines(fn: ast.FunctionDef) -> int:
+    """Lines of `fn`'s body after its docstring."""
+    body = (
+        fn.body[1:]
+        if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant)
+        else fn.body
+    )
+    return body[-1].end_lineno - body[0].lineno + 1 if body else 0
+
+
 def test_no_module_over_400_lines_and_a_thin_engine():
+    """The `Engine` is a facade: its methods hand the work to the runtime, the loops and the
+    fine-grained flow in a few lines each (its constructor only stores what it is given); a
+    method that grows logic belongs in one of those modules."""
     long = {name: n for name, p in MODULES.items() if (n := len(p.read_text().splitlines())) > 400}
     assert not long, long
     engine = ast.parse((PACKAGE / "engine" / "engine.py").read_text())
     (cls,) = [n for n in engine.body if isinstance(n, ast.ClassDef) and n.name == "Engine"]
-    assert cls.end_lineno - cls.lineno + 1 < 300
+    methods = [n for n in cls.body if isinstance(n, ast.FunctionDef)]
+    thick = {m.name: n for m in methods if (n := _code_lines(m)) > (30 if m.name == "__init__" else 6)}
+    assert not thick, thick
 
 
 def test_no_function_over_60_lines():
@@ -217,7 +234,7 @@ def test_one_owner(needle, owner):
     learning-rate schedule each live in one module (the definition of `batch_layout` in the run
     plan, the CLI's check of it before a job starts and autotune's of the layouts it may try aside)."""
     aside = (
-        {"framework.plan.run_plan", "framework.cli.build", "framework.plan.tune"}
+        {"framework.plan.run_plan", "framework.recipe.build", "framework.plan.tune"}
         if needle == "batch_layout("
         else set()
     )

@@ -18,7 +18,9 @@ import contextlib
 import importlib.util
 import io
 import re
+import sys
 import traceback
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +31,7 @@ from .conftest import ROOT
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`]*)$")
+SNIPPET = re.compile(r'^--8<-- "(?P<path>[^"]+)"$')
 MARK = re.compile(r"^\s*<!--\s*(?P<kind>no-run|requires):\s*(?P<what>.*?)\s*-->\s*$")
 
 
@@ -71,6 +74,9 @@ def blocks_of(path: Path) -> list[Block]:
             j += 1
         previous = next((lines[k] for k in range(i - 1, -1, -1) if lines[k].strip()), "")
         mark = MARK.match(previous)
+        snippet = SNIPPET.match("\n".join(body).strip())
+        if snippet:  # pymdownx.snippets: the block shows (and runs) the file it names
+            body = (ROOT / snippet["path"]).read_text().splitlines()
         block = Block(path, i + 2, language, "\n".join(body) + "\n")
         if mark and mark["kind"] == "no-run":
             block.no_run = mark["what"] or "marked no-run"
@@ -153,7 +159,9 @@ def test_page_examples_run(path: Path, tmp_path, monkeypatch):
         except SyntaxError as exc:
             pytest.fail(f"{block.path.relative_to(ROOT)}:{exc.lineno}: {exc.msg}", pytrace=False)
     monkeypatch.chdir(tmp_path)  # what a block writes stays out of the repository
-    namespace: dict = {"__name__": "__docs__"}
+    page = types.ModuleType("__docs__")  # a module, as a script's is (dataclasses look theirs up)
+    monkeypatch.setitem(sys.modules, "__docs__", page)
+    namespace: dict = page.__dict__
     missing = []
     try:
         for block in blocks:

@@ -124,7 +124,20 @@ def _comments(module: Any) -> dict[int, str]:
 
 def _field_comments(cls: type) -> dict[str, str]:
     """Field name -> the comment beside its definition (any of its lines) or the comment lines
-    directly above it."""
+    directly above it, in `cls` or the dataclass it inherits the field from."""
+    out: dict[str, str] = {}
+    for base in reversed(cls.__mro__):
+        if (
+            dataclasses.is_dataclass(base)
+            and base.__module__ in sys.modules
+            and base.__name__ in vars(sys.modules[base.__module__])
+        ):
+            out.update(_own_field_comments(base))
+    return out
+
+
+def _own_field_comments(cls: type) -> dict[str, str]:
+    """`_field_comments` of the fields `cls`'s own body defines."""
     module = sys.modules[cls.__module__]
     comments = _comments(module)
     lines = inspect.getsource(module).splitlines()
@@ -279,11 +292,11 @@ def _composed() -> Any:
 
 def config_schema() -> str:
     """Every key of the schema, one table per section, with the defaults of `python train.py`."""
-    from framework.cli.config import TrainConfig
+    from framework.recipe.schema import RunConfig
 
     used: set[str] = set()
     parts = []
-    for key, doc, rows in _sections(TrainConfig, "", _composed(), "", used):
+    for key, doc, rows in _sections(RunConfig, "", _composed(), "", used):
         heading = f"### `{key}`\n\n{doc}\n\n" if key else f"{doc}\n\n"
         parts.append(heading + _table(rows) + "\n")
     stale = sorted(k for k in EXTRA if k[0].islower() and k not in used)  # "Class.field" keys: fields_of
@@ -376,13 +389,55 @@ def package_rules() -> str:
     return "\n".join(out)
 
 
-GENERATORS = {"config-schema": config_schema, "config-groups": config_groups, "package-rules": package_rules}
+def methods() -> str:
+    """Every training method of `framework.methods`: its `+objective=` name, its class, what it
+    is (its docstring's first sentence) and its page."""
+    from framework.methods import registered
+
+    out = ["| `+objective=` | Python | what it is | options |", "|---|---|---|---|"]
+    for name, cls in sorted(registered().items()):
+        module = sys.modules[cls.__module__]
+        about = " ".join((inspect.getdoc(module) or "").split("\n\n")[0].split())
+        options = ", ".join(f"`{f.name}`" for f in dataclasses.fields(cls.Config)) or "—"
+        page = (
+            f"[{cls.__name__}]({name}.md)"
+            if (ROOT / "docs" / "methods" / f"{name}.md").is_file()
+            else f"`{cls.__name__}`"
+        )
+        out.append(f"| `{name}` | {page} | {_md(about)} | {options} |")
+    return "\n".join(out)
+
+
+GENERATORS = {
+    "config-schema": config_schema,
+    "config-groups": config_groups,
+    "package-rules": package_rules,
+    "methods": methods,
+}
+
+
+def _title(page: Path) -> str:
+    """A page's first heading."""
+    for line in page.read_text().splitlines():
+        if line.startswith("# "):
+            return line[2:].strip()
+    return page.stem
 
 
 def on_config(config: Any) -> Any:
-    """The framework imports from this checkout, whatever is installed."""
+    """The framework imports from this checkout, whatever is installed; every page of
+    `docs/methods/` joins the nav under "Training methods" (its index first), so that a new
+    method's page needs no edit of mkdocs.yml."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
+    folder = ROOT / "docs" / "methods"
+    pages = sorted(p for p in folder.glob("*.md") if p.name != "index.md")
+    section = ["methods/index.md", *({_title(p): f"methods/{p.name}"} for p in pages)]
+    nav = config["nav"]
+    at = next(
+        (i for i, item in enumerate(nav) if isinstance(item, dict) and "How-to guides" in item), len(nav) - 1
+    )
+    nav.insert(at + 1, {"Training methods": section})
     return config
 
 

@@ -1,18 +1,22 @@
 """The command line: the only package that imports Hydra and OmegaConf.
 
 Rule: imports any package of the framework; nothing imports it (but `train.py` and the Hydra
-launcher plugin). Every object is built here from a composed config (`build`), and workers get
-plain dicts, never Hydra's global state.
+launcher plugin). It keeps what only Hydra has: composition, sweeps and the sweeper's value,
+starting local processes, the output dir. Runs are built by `framework.build`
+(`framework.recipe`) from the plain tree the composed config resolves to; workers get that tree,
+never Hydra's global state.
 
-* `main`       `train.py`'s entry: argv, launching, the one-line error a user sees;
+* `main`       `train.py`'s entry: launching, the one-line error a user sees;
+* `startup`    argv rewritten and checked before Hydra parses it;
 * `argv`       the command line as Hydra will see it (group choices, key typos);
-* `config`     the config schema (dataclasses in Hydra's ConfigStore) and its checks;
-* `build`      a composed config -> the Engine and its parts (the one place);
-* `construct`  the model node as arguments of the one builder (`framework.engine.construct`);
-* `report`     the files a run writes beside its metrics, and what `+dry_run=true` prints;
+* `config`     the recipe's schema registered in Hydra's ConfigStore, and override checks;
+* `build`      a composed config -> `framework.build(...).fit()` -> the monitored value;
+* `autotune`   `+autotune=search`: layouts tried in fresh worker groups before the run;
+* `help`       what `--help` shows;
 * `sweep`      the summary of a multirun.
 """
 
-from framework.cli.main import prepare_argv, run
+from framework.cli.main import run
+from framework.cli.startup import prepare_argv
 
 __all__ = ["prepare_argv", "run"]

@@ -26,15 +26,13 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from framework.backend import deepspeed_globals
 from framework.backend.estimate import model_facts
 from framework.backend.runtime import Runtime
-from framework.cli import construct
-from framework.cli.build import build_engine, build_strategy, seed_everything
+from framework.cli.build import tree
 from framework.data.datasets import as_splits
 from framework.engine import autotune as measured
 from framework.errors import ConfigError
@@ -42,6 +40,10 @@ from framework.plan import paper, tune
 from framework.process.context import ProcessContext
 from framework.process.environment import choose_accelerator, device_memory_bytes, launched
 from framework.process.launch import WorkerFailed, spawn
+from framework.recipe import build_engine, seed_everything, tree_of
+from framework.recipe.build import strategy_of
+from framework.recipe.model import meta_model
+from framework.recipe.targets import instantiate as make
 
 RESULT = "autotune.json"
 
@@ -60,7 +62,7 @@ def tune_job(cfg: DictConfig, output_dir: str) -> DictConfig | None:
     nothing is to be trained (`autotune.only`)."""
     a = cfg.autotune
     out = Path(output_dir)
-    base = build_strategy(cfg)
+    base = strategy_of(tree_of(tree(cfg)))
     tune.check_searchable(base)
     if a.target.devices is not None:
         _on_paper(cfg, base, out)
@@ -78,7 +80,8 @@ def tune_job(cfg: DictConfig, output_dir: str) -> DictConfig | None:
     accelerator = choose_accelerator(str(cfg.trainer.accelerator))
     devices, batch = int(cfg.trainer.devices), int(cfg.trainer.batch_size)
     budget = float(a.memory_gb) if a.memory_gb is not None else _device_memory_gb(accelerator, devices)
-    facts = model_facts(construct.meta_model(cfg.model), base, instantiate(cfg.optimizer), devices)
+    nodes = tree(cfg)
+    facts = model_facts(meta_model(nodes["model"]), base, make(nodes["optimizer"], "optimizer"), devices)
     offload = accelerator == "cuda"
     trials = tune.trials_for(
         tune.candidates(base, facts, devices, batch, a.space, offload), base, facts, devices, batch
@@ -144,22 +147,23 @@ def trial_worker(container: dict[str, Any], log: str) -> tuple[float | None, flo
     """One rank of a trial (a fresh process): build the job's engine under the trial's layout and
     measure a few optimizer steps (`framework.engine.autotune.measure`)."""
     cfg = OmegaConf.create(container)
+    full = tree_of(container)
     t, a = cfg.trainer, cfg.autotune
     with _console_to(Path(log)):
         deepspeed_globals.quiet(bool(t.verbose), choose_accelerator(str(t.accelerator)))
         job = ProcessContext.start(str(t.accelerator), float(t.timeout_s), tf32=bool(t.tf32))
         with job:
             seed_everything(int(t.seed))
-            splits = as_splits(instantiate(cfg.data.dataset))
+            splits = as_splits(make(full["data"]["dataset"], "data.dataset"))
 
-            def make(strategy: Any) -> Any:
+            def make_engine(strategy: Any) -> Any:
                 runtime = Runtime(strategy, job)
                 runtime.fix_layout(int(t.batch_size))
-                return build_engine(cfg, runtime, callbacks=[])
+                return build_engine(full, runtime, callbacks=[])
 
             collate = (
-                instantiate(cfg.data.collate_fn)
-                if cfg.data.collate_fn
+                make(full["data"]["collate_fn"], "data.collate_fn")
+                if full["data"]["collate_fn"]
                 else getattr(splits, "collate_fn", None)
             )
             options = measured.trial_options(
@@ -168,7 +172,7 @@ def trial_worker(container: dict[str, Any], log: str) -> tuple[float | None, flo
                 timeout_s=float(t.timeout_s),
             )  # fmt: skip
             return measured.measure(
-                make, build_strategy(cfg), splits.train, options, job, int(a.warmup_steps), catch=False
+                make_engine, strategy_of(full), splits.train, options, job, int(a.warmup_steps), catch=False
             )
 
 
@@ -250,8 +254,9 @@ def _on_paper(cfg: DictConfig, base: Any, out: Path) -> None:
     if memory is None:
         raise ConfigError("autotune.target.memory_gb: give the memory of each target rank in GB (e.g. 80)")
     devices, batch = int(a.target.devices), int(cfg.trainer.batch_size)
-    model = construct.meta_model(cfg.model)
-    facts = model_facts(model, base, instantiate(cfg.optimizer), devices)
+    nodes = tree(cfg)
+    model = meta_model(nodes["model"])
+    facts = model_facts(model, base, make(nodes["optimizer"], "optimizer"), devices)
     trials = paper.on_paper(base, facts, devices, float(memory), float(a.margin), batch, a.space)
     print(
         f"autotune on paper: {type(model).__name__} ({facts.parameters:,} parameters) on {devices} x {float(memory):g} GB"

@@ -14,7 +14,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from framework.cli.argv import HydraView
-from framework.cli.config import GROUPS, RENAMED
+from framework.cli.config import GROUPS
+from framework.recipe.schema import RENAMED
 
 WIDTH = 100  # a description longer than this is cut at a word
 

@@ -74,8 +74,10 @@ def on_meta(make: Callable[[], nn.Module]) -> nn.Module:
 
 
 def adapt(model: nn.Module, adapter: Any, strategy: Any) -> nn.Module:
-    """`model` wrapped with `adapter` (a `peft` config; None: as it is); an adapted model's
-    strategy checked (`check_adapted`). The runtime says what trains when it starts."""
+    """`model` wrapped with `adapter` (an `AdapterConfig`, its options as a dict, or a `peft`
+    config; None: as it is); an adapted model's strategy checked (`check_adapted`). The runtime
+    says what trains when it starts."""
+    adapter = peft.peft_config(adapter)
     if adapter is not None:
         if getattr(adapter, "modules_to_save", None) and any(hasattr(p, "ds_id") for p in model.parameters()):
             raise ConfigError(

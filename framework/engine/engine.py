@@ -18,25 +18,20 @@ for training).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from framework import checkpoint
 from framework.backend import estimate as cost_lib
-from framework.backend import weights
-from framework.backend.ds_config import configures_optimizer
 from framework.backend.runtime import Runtime
 from framework.data.device_loader import DeviceLoader
 from framework.data.outputs import ModelLoss, is_model_loss
-from framework.engine import autotune, construct, evaluation, fine_grained, loops
+from framework.engine import autotune, construct, evaluation, fine_grained, loops, saving
 from framework.engine.arguments import check_dataset, check_engine_arguments, check_pipeline
 from framework.engine.fine_grained import check_mode
 from framework.engine.fit_config import FitConfig, fit_config
-from framework.engine.steps import LossFunction, owner, resolve_step
-from framework.errors import ConfigError
+from framework.engine.steps import LossFunction, attach_method, method_eval_step, resolve_step
 from framework.observe.callbacks import Callback, CallbackList
 from framework.observe.metrics import Metrics
 from framework.observe.state import LoopState
@@ -109,7 +104,7 @@ class Engine:
         self.optimizer_spec, self.scheduler_spec = optimizer, scheduler
         self.metrics = Metrics(metrics)
         self.train_step_fn = resolve_step(train_step, model, "training_step")
-        self.eval_step_fn = resolve_step(eval_step, model, "validation_step")
+        self.eval_step_fn = resolve_step(eval_step or method_eval_step(train_step), model, "validation_step")
         self.predict_step_fn = resolve_step(predict_step, model, "predict_step")
         check_pipeline(self.strategy, self.loss, self.train_step_fn, self.eval_step_fn)
         self.callbacks = CallbackList(callbacks or [])
@@ -120,6 +115,7 @@ class Engine:
         self.mode: str | None = None
         self._prepared: set[str] = set()
         self._padding = fine_grained.PaddingTracker()
+        attach_method(self)  # a training method's own setup, before DeepSpeed (DPO's frozen reference)
 
     # ------------------------------------------------------------------ what the runtime holds
     @property
@@ -132,44 +128,59 @@ class Engine:
         """Call it to run the forward pass (see the class doc)."""
         return self.runtime.forward
 
-    process = property(lambda self: self.runtime.process, doc="The job's `ProcessContext`.")
+    @property
+    def process(self) -> Any:
+        """The job's `ProcessContext`."""
+        return self.runtime.process
 
-    deepspeed_config = property(lambda self: self.runtime.config, doc="The config dict DeepSpeed received.")
+    @property
+    def deepspeed_config(self) -> Any:
+        """The config dict DeepSpeed received."""
+        return self.runtime.config
 
-    world_size = property(lambda self: self.runtime.world_size, doc="Processes in the job.")
-    dp_size = property(lambda self: self.runtime.dp_size, doc="Data-parallel degree (replicas of the model).")
-    dp_rank = property(lambda self: self.runtime.dp_rank, doc="This rank's data-parallel index.")
-    lr = property(lambda self: self.runtime.lr, doc="Current learning rate of the first parameter group.")
-    grad_norm = property(lambda self: self.runtime.grad_norm, doc="Gradient norm of the last step.")
-    loss_scale = property(lambda self: self.runtime.loss_scale, doc="Current fp16 loss scale (1.0 without).")
+    @property
+    def world_size(self) -> Any:
+        """Processes in the job."""
+        return self.runtime.world_size
+
+    @property
+    def dp_size(self) -> Any:
+        """Data-parallel degree (replicas of the model)."""
+        return self.runtime.dp_size
+
+    @property
+    def dp_rank(self) -> Any:
+        """This rank's data-parallel index."""
+        return self.runtime.dp_rank
+
+    @property
+    def lr(self) -> Any:
+        """Current learning rate of the first parameter group."""
+        return self.runtime.lr
+
+    @property
+    def grad_norm(self) -> Any:
+        """Gradient norm of the last step."""
+        return self.runtime.grad_norm
+
+    @property
+    def loss_scale(self) -> Any:
+        """Current fp16 loss scale (1.0 without)."""
+        return self.runtime.loss_scale
 
     # ------------------------------------------------------------------ setup
     def prepare(
-        self, mode: str | None = None, batch_size: int | None = None, inputs_spec: Any = None,
+        self,
+        mode: str | None = None,
+        batch_size: int | None = None,
+        inputs_spec: Any = None,
         labels_spec: Any = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Build DeepSpeed for `mode` (once; again is a no-op). `mode` defaults to the engine's
         current mode ("train" before any). `batch_size` is global; for training it fixes the
         batch layout. `inputs_spec` / `labels_spec` are accepted for Paddle compatibility;
         shapes are taken from the data at run time."""
-        mode = self._mode(mode)
-        has_optimizer = self.optimizer_spec is not None or configures_optimizer(self.strategy)
-        if mode == "train" and (self.loss is None and self.train_step_fn is None or not has_optimizer):
-            raise ConfigError("set optimizer and loss before training (Engine(model, loss, optimizer, ...))")
-        if mode == "eval" and self.loss is None and self.eval_step_fn is None:
-            raise ConfigError("set loss before evaluation (Engine(model, loss, ...))")
-        self.mode = mode
-        self.runtime.start()
-        if mode == "train" and batch_size is not None:
-            self.runtime.fix_layout(batch_size)
-        if not self.runtime.ready:
-            self.runtime.initialize(self.module, self.optimizer_spec if has_optimizer else None, self.loss)
-            self.metrics.to(self.runtime.device)
-            if isinstance(getattr(self.loss, "fn", None), nn.Module):
-                self.loss.fn.to(self.runtime.device)
-        if mode == "train" and self._scheduled_for is None:
-            self.schedule(self.total_steps)
-        self._prepared.add(mode)
+        fine_grained.prepare(self, self._mode(mode), batch_size)
 
     def _mode(self, mode: str | None) -> str:
         """`mode`, else the engine's current one ("train" before any), as Paddle's calls default."""
@@ -211,9 +222,14 @@ class Engine:
 
     # ------------------------------------------------------------------ coarse-grained API
     def fit(
-        self, train_data: Any, valid_data: Any = None, *, config: FitConfig | None = None,
-        callbacks: Iterable[Callback] | None = None, **options: Any,
-    ) -> dict[str, list[Any]]:  # fmt: skip
+        self,
+        train_data: Any,
+        valid_data: Any = None,
+        *,
+        config: FitConfig | None = None,
+        callbacks: Iterable[Callback] | None = None,
+        **options: Any,
+    ) -> dict[str, list[Any]]:
         """Train for `epochs` epochs (or until `max_steps` optimizer steps) and return the history:
         per-epoch lists of loss, lr, each metric and, when validating, val_loss and `val_<metric>`
         (with `valid_at_start`, also start_val_loss, ... measured before the first step).
@@ -228,25 +244,40 @@ class Engine:
             return loops.fit(self, train_data, valid_data, cfg, callbacks or ())
 
     def evaluate(
-        self, valid_data: Any, batch_size: int = 1, steps: int | None = None, collate_fn: Callable | None = None
-    ) -> dict[str, float]:  # fmt: skip
+        self,
+        valid_data: Any,
+        batch_size: int = 1,
+        steps: int | None = None,
+        collate_fn: Callable | None = None,
+    ) -> dict[str, float]:
         """Loss and metrics over `valid_data` (every sample counted once, across all ranks)."""
         self.prepare("eval")
         return evaluation.evaluate(self, valid_data, batch_size, steps, collate_fn)
 
     def predict(
-        self, test_data: Any, batch_size: int = 1, steps: int | None = None, collate_fn: Callable | None = None
-    ) -> list[Any]:  # fmt: skip
+        self,
+        test_data: Any,
+        batch_size: int = 1,
+        steps: int | None = None,
+        collate_fn: Callable | None = None,
+    ) -> list[Any]:
         """Model outputs for `test_data`, in dataset order, one CPU tensor per global batch."""
         self.prepare("predict")
         return evaluation.predict(self, test_data, batch_size, steps, collate_fn)
 
     # ------------------------------------------------------------------ fine-grained API
     def dataloader(
-        self, dataset: Any, batch_size: int = 1, shuffle: bool = False, drop_last: bool = False,
-        collate_fn: Callable | None = None, num_workers: int = 0, epochs: int = 1,
-        steps_per_epoch: int | None = None, mode: str | None = None,
-    ) -> DeviceLoader:  # fmt: skip
+        self,
+        dataset: Any,
+        batch_size: int = 1,
+        shuffle: bool = False,
+        drop_last: bool = False,
+        collate_fn: Callable | None = None,
+        num_workers: int = 0,
+        epochs: int = 1,
+        steps_per_epoch: int | None = None,
+        mode: str | None = None,
+    ) -> DeviceLoader:
         """This rank's share of `dataset` in global batches of `batch_size`, on the device, for
         `epochs` epochs; prepares `mode` (default: the engine's current mode, "train" before any)
         if it is not prepared yet. Each epoch starts this mode's metrics afresh.
@@ -262,9 +293,14 @@ class Engine:
         return self._padding.track(loader) if mode != "train" else loader
 
     def dataloader_from_generator(
-        self, generator: Any, batch_size: int = 1, epochs: int = 1, steps_per_epoch: int | None = None,
-        collate_fn: Callable | None = None, mode: str | None = None,
-    ) -> DeviceLoader:  # fmt: skip
+        self,
+        generator: Any,
+        batch_size: int = 1,
+        epochs: int = 1,
+        steps_per_epoch: int | None = None,
+        collate_fn: Callable | None = None,
+        mode: str | None = None,
+    ) -> DeviceLoader:
         """Legacy path for a Python generator of samples (a callable returning an iterator, or a
         re-iterable): samples are dealt round-robin to ranks and collated into global batches."""
         return fine_grained.generator_loader(
@@ -272,9 +308,12 @@ class Engine:
         )
 
     def run(
-        self, data: Any = None, feed: dict[str, Any] | None = None, fetch_list: list[str] | None = None,
+        self,
+        data: Any = None,
+        feed: dict[str, Any] | None = None,
+        fetch_list: list[str] | None = None,
         mode: str | None = None,
-    ) -> dict[str, Any]:  # fmt: skip
+    ) -> dict[str, Any]:
         """Run exactly one step of `mode` on one batch and return its logs.
 
         train: one optimizer step (the batch is split into the accumulation steps) ->
@@ -304,32 +343,17 @@ class Engine:
         dir `path`, atomic, resumable with `load` or `fit(resume=...)`; training=False: the
         consolidated fp32 weights in one file for inference (`.safetensors` or a torch state
         dict), written by rank 0. Collective: call it on every rank. Returns what was written."""
-        if not self.runtime.ready:
-            raise ConfigError("nothing to save yet: prepare(mode=...) or fit() first")
-        if training:
-            return str(checkpoint.save(self._stateful(), path))
-        return str(weights.save_consolidated(self.runtime, path))
-
-    def _stateful(self) -> checkpoint.Stateful:
-        return checkpoint.Stateful(self.runtime, self.state, self.metrics, owner(self.train_step_fn))
+        return saving.save(self, path, training)
 
     def load(self, path: str) -> None:
         """Load what `save` wrote: a checkpoint (dir) restores weights, optimizer and loop state;
-        a weights file restores the weights."""
-        found = checkpoint.newest(path, self.runtime.process) if Path(path).is_dir() else None
-        if not self.runtime.ready:
-            if found is not None:  # ZeRO partitions of another data-parallel size: DeepSpeed must know
-                self.runtime.load_universal = checkpoint.needs_universal(found, self.runtime.mesh)
-            self.prepare("train" if self.optimizer_spec is not None and self.loss is not None else "predict")
-        if found is not None:
-            checkpoint.load(self._stateful(), found)
-            self.state.info.resumed_from = str(found)
-        else:
-            self.runtime.load_full_state_dict(weights.load_weights(path))
+        a weights file restores the weights (and a training method's frozen reference follows)."""
+        trains = self.optimizer_spec is not None and (self.loss is not None or self.train_step_fn is not None)
+        saving.load(self, path, trains)
 
     def autotune(
         self, train_data: Any, batch_size: int, memory_gb: float | None = None, **options: Any
-    ) -> tuple[Strategy, list[dict[str, Any]]]:  # fmt: skip
+    ) -> tuple[Strategy, list[dict[str, Any]]]:
         """Try the layouts of `batch_size` that may fit `memory_gb` per rank (default: the device's) a few
         steps each; train with the fastest that fits from now on. Returns it and the trials (`autotune.search`)."""
         strategy, table = autotune.search(self, train_data, batch_size, memory_gb, **options)

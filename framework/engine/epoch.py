@@ -17,8 +17,8 @@ from framework.data import loaders as data_lib
 from framework.data.outputs import batch_size_of
 from framework.data.stream_loader import StreamLoader
 from framework.engine.evaluation import Host
-from framework.engine.items import StepWeights, window_weights
-from framework.engine.steps import apply_train_result, bind_step, default_train_step, owner
+from framework.engine.items import StepWeights, counted_windows, window_weights
+from framework.engine.steps import apply_train_result, bind_step, counter_of, default_train_step, owner
 from framework.observe.callbacks import CallbackList, Event
 from framework.observe.state import LoopState
 from framework.observe.throughput import Speedometer
@@ -78,7 +78,7 @@ def train_epoch(
             if loss is not None:
                 pending.append(loss)
             _after_step(host, pending, boundaries, skipped, log_freq, speed)
-            if st.log_now and isinstance(step, _DefaultStep) and step.counted is not None:
+            if st.log_now and isinstance(step, _CountedStep) and step.counted is not None:
                 st.logs["counted_items"] = step.counted.items()  # e.g. the tokens the loss counted
             data.need = max(data.need, batches.fetched - fetched)
             idle_calls = idle_calls + 1 if batches.fetched == fetched and pipeline_calls is None else 0
@@ -86,7 +86,7 @@ def train_epoch(
                 raise RuntimeError(f"the training step pulled no batch in {MAX_IDLE_CALLS} consecutive calls")
             events.fire(Event.STEP_END, st)
     finally:
-        if isinstance(step, _DefaultStep):
+        if isinstance(step, _CountedStep):
             step.close()
         data.source.close()
     if isinstance(loader, StreamLoader):
@@ -287,26 +287,53 @@ def _reduced_window_loss(st: LoopState, process: ProcessContext) -> float:
 def _train_step_caller(
     host: Host, batches: data_lib.BatchIterator, stream: bool = False
 ) -> Callable[[], Any]:
-    """A zero-argument call of the host's step flavour on `batches`."""
+    """A zero-argument call of the host's step flavour on `batches`: the pipeline's, a custom
+    step's, or a step whose loss averages over counted items (the framework's own, a method
+    with `items`), which gets each micro-batch's weight (`framework.engine.items`)."""
     if host.runtime.strategy.uses_pipeline:
         return lambda: {"loss": host.runtime.train_batch(batches)}
-    if host.train_step_fn is not None:
-        call = bind_step(host.train_step_fn)
+    rt = host.runtime
+    device = rt.process.collective_device
+    step = host.train_step_fn
+    if step is None:
+
+        def count_default(steps: list[list[Any]]) -> list[StepWeights] | None:
+            return window_weights(steps, host.loss, host.module, host.label_key, rt.mesh, device)
+
+        return _CountedStep(host, batches, stream, functools.partial(default_train_step, host), count_default)
+    items = counter_of(step)
+    if items is None:
+        call = bind_step(step)
         return lambda: call(host, batches)
-    return _DefaultStep(host, batches, stream)
+
+    def count_items(steps: list[list[Any]]) -> list[StepWeights] | None:
+        return counted_windows(steps, items, rt.mesh, device=device)
+
+    def run(batch: Any, weight: Any) -> Any:  # a method gets its weight as a tensor (or None)
+        return step(host, batch, weight() if callable(weight) else weight)
+
+    return _CountedStep(host, batches, stream, run, count_items)
 
 
-class _DefaultStep:
-    """The framework's step, one micro-batch per call, each weighted by its share of its optimizer
-    step's items (`framework.engine.items`). On the CPU the items of several optimizer steps ahead
-    (`COUNT_AHEAD` micro-batches) are counted in one all-reduce: a gloo collective costs each rank
-    ~0.3 ms of host time whatever it carries, as much as the rest of the step's bookkeeping
-    (`benchmarks.exactness`). On CUDA the count's all-reduce is queued on the device and the host
-    never waits for it, so each step counts its own. Over a stream, whose ranks may reach its end
-    at different steps, each step counts its own too."""
+class _CountedStep:
+    """A step of one micro-batch per call, each weighted by its share of its optimizer step's
+    items (`framework.engine.items`): the framework's own, or a method's with `items`. On the
+    CPU the items of several optimizer steps ahead (`COUNT_AHEAD` micro-batches) are counted in
+    one all-reduce: a gloo collective costs each rank ~0.3 ms of host time whatever it carries,
+    as much as the rest of the step's bookkeeping (`benchmarks.exactness`). On CUDA the count's
+    all-reduce is queued on the device and the host never waits for it, so each step counts its
+    own. Over a stream, whose ranks may reach its end at different steps, each step counts its
+    own too."""
 
-    def __init__(self, host: Host, batches: data_lib.BatchIterator, stream: bool):
-        self.host, self.batches = host, batches
+    def __init__(
+        self,
+        host: Host,
+        batches: data_lib.BatchIterator,
+        stream: bool,
+        run: Callable[[Any, Any], Any],
+        count: Callable[[list[list[Any]]], list[StepWeights] | None],
+    ):
+        self.host, self.batches, self.run, self.count = host, batches, run, count
         rt = host.runtime
         self.acc = rt.strategy.accumulation_steps
         self.steps_ahead = 1 if rt.process.cuda or stream else max(1, COUNT_AHEAD // self.acc)
@@ -319,21 +346,15 @@ class _DefaultStep:
         if not self.weights:  # an optimizer step begins: count the items of its global batch (and more)
             self._count()
         self.counted = self.steps.pop(0) if self.steps else None
-        return default_train_step(self.host, next(self.batches), self.weights.pop(0))
+        return self.run(next(self.batches), self.weights.pop(0))
 
     def _count(self) -> None:
-        host, rt = self.host, self.host.runtime
         ahead = self.batches.peek_many(self.acc * self.steps_ahead)
         steps = [ahead[i : i + self.acc] for i in range(0, len(ahead), self.acc)] or [[]]
-        device = rt.process.collective_device
-        found = window_weights(
-            steps, host.loss, host.module, host.label_key, rt.mesh, rt.strategy.sharding.stage, device
-        )
+        found = self.count(steps)
         self.windows = found or []
         for i, step in enumerate(steps):
-            self.weights.extend(
-                functools.partial(found[i].__getitem__, j) if found else None for j in range(len(step))
-            )
+            self.weights.extend(found[i].weight(j) if found else None for j in range(len(step)))
             self.steps.extend((found[i] if found else None) for _ in step)
         if not self.weights:
             self.weights.append(None)  # no batch left: the step's next() ends the epoch

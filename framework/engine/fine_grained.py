@@ -12,16 +12,18 @@ from typing import Any
 
 import torch
 
+from framework.backend.ds_config import configures_optimizer
 from framework.data import loaders as data_lib
 from framework.data.device_loader import DeviceLoader
 from framework.data.outputs import batch_size_of, take
 from framework.data.streams import SHUFFLE_WINDOW, is_stream
 from framework.engine import fetches
 from framework.engine.evaluation import Host, detached, eval_mode
-from framework.engine.items import step_weights
+from framework.engine.items import counted_windows, step_weights
 from framework.engine.steps import (
     apply_train_result,
     bind_step,
+    counter_of,
     default_eval_step,
     default_predict_step,
     default_train_step,
@@ -37,6 +39,30 @@ def check_mode(mode: str) -> str:
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; use one of 'train', 'eval', 'predict'")
     return mode
+
+
+def prepare(host: Any, mode: str, batch_size: int | None) -> None:
+    """Build DeepSpeed for `mode` once (see `Engine.prepare`): what the mode needs is checked,
+    the batch layout fixed for training, the model, metrics and loss placed, the learning-rate
+    schedule given its budget."""
+    runtime = host.runtime
+    has_optimizer = host.optimizer_spec is not None or configures_optimizer(runtime.strategy)
+    if mode == "train" and (host.loss is None and host.train_step_fn is None or not has_optimizer):
+        raise ConfigError("set optimizer and loss before training (Engine(model, loss, optimizer, ...))")
+    if mode == "eval" and host.loss is None and host.eval_step_fn is None:
+        raise ConfigError("set loss before evaluation (Engine(model, loss, ...))")
+    host.mode = mode
+    runtime.start()
+    if mode == "train" and batch_size is not None:
+        runtime.fix_layout(batch_size)
+    if not runtime.ready:
+        runtime.initialize(host.module, host.optimizer_spec if has_optimizer else None, host.loss)
+        host.metrics.to(runtime.device)
+        if isinstance(getattr(host.loss, "fn", None), torch.nn.Module):
+            host.loss.fn.to(runtime.device)
+    if mode == "train" and host._scheduled_for is None:
+        host.schedule(host.total_steps)
+    host._prepared.add(mode)
 
 
 class PaddingTracker:
@@ -208,31 +234,34 @@ def run(
     return logs
 
 
+def _train_call(host: Host, micros: list[Any]) -> tuple[Callable[[Any, Any], Any], Any]:
+    """How `run` calls the training step on one micro-batch, `call(micro, weight)`, and the
+    micro-batches' weights: the framework's step and a method with `items` weigh each by its
+    share of the global batch's items (`framework.engine.items`); other steps get none."""
+    runtime, step = host.runtime, host.train_step_fn
+    device = runtime.process.collective_device
+    if step is None:
+        weights = step_weights(micros, host.loss, host.module, host.label_key, runtime.mesh, device)
+        return functools.partial(default_train_step, host), weights
+    items = counter_of(step)
+    if items is not None:
+        found = counted_windows([micros], items, runtime.mesh, device=device)
+        return (lambda micro, w: step(host, micro, w() if callable(w) else w)), (found[0] if found else None)
+    call = bind_step(step)
+    return (lambda micro, _: call(host, iter([micro]))), None
+
+
 def run_one(host: Host, batch: Any, mode: str, unpadded: int) -> dict[str, Any]:
     """Exactly one step of `mode` on a batch already on the device (see `Engine.run`)."""
     runtime = host.runtime
     if mode == "train":
         runtime.train()
         assert runtime.layout is not None
-        call = bind_step(host.train_step_fn) if host.train_step_fn is not None else None
         micros = data_lib.split_micro_batches(batch, runtime.layout.accumulation_steps)
-        weights = None
-        if call is None:  # the framework's step: the loss over the whole global batch's items
-            weights = step_weights(
-                micros,
-                host.loss,
-                host.module,
-                host.label_key,
-                runtime.mesh,
-                runtime.strategy.sharding.stage,
-                runtime.process.collective_device,
-            )
+        call, weights = _train_call(host, micros)
         losses = []
         for i, micro in enumerate(micros):
-            weight = functools.partial(weights.__getitem__, i) if weights is not None else None
-            result: Any = (
-                default_train_step(host, micro, weight) if call is None else call(host, iter([micro]))
-            )
+            result: Any = call(micro, weights.weight(i) if weights is not None else None)
             value = apply_train_result(host, result)
             if value is not None:
                 losses.append(detached(value))

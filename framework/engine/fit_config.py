@@ -1,9 +1,18 @@
-"""`FitConfig`: how `Engine.fit` trains, the one home of its options and their defaults (the CLI
-fills it from `trainer.*`, `Engine.fit` from its keyword arguments)."""
+"""How `Engine.fit` trains: its options, defined once and shared with the config tree.
+
+`FitConfig` is `fit`'s keyword arguments. It is made of three groups of options, each a
+dataclass of its own because the config tree (`framework.recipe.schema`) holds each group in
+its own node, with the same names, types and defaults:
+
+* `LoopConfig`   how long and how often: the `trainer` node;
+* `LoaderConfig` how the training data is read: the `data` node;
+* `SaveConfig`   how often checkpoints are kept: the `trainer.checkpoint` node;
+
+and of what `fit` alone is given (where checkpoints go, preemption handling, the console).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -12,63 +21,92 @@ from framework.engine.arguments import options_of
 from framework.errors import ConfigError
 
 _OPTIONAL = ("steps_per_epoch", "max_steps", "valid_batch_size", "valid_steps")
+_COUNTS = ("epochs", "batch_size", "valid_freq", "log_freq", *_OPTIONAL)
 
 
 @dataclass
-class FitConfig:
-    """How `fit` trains: `Engine.fit`'s keyword arguments (the CLI fills them from `trainer.*`).
+class LoopConfig:
+    """How long `fit` trains and how often it validates and logs. `batch_size` is global: split
+    over data-parallel ranks and accumulation steps."""
 
-    `batch_size` is global; `steps_per_epoch` caps optimizer steps per epoch; `log_freq` is in
-    optimizer steps; training data that is a stream (`framework.data.streams`) needs `max_steps`
-    (or `steps_per_epoch`), is shuffled `shuffle_window` examples at a time when `shuffle` is on,
-    and `valid_steps` caps the batches of a validation (default: the whole validation data); with `save_dir`, a checkpoint every `save_freq` optimizer steps (0: only at
-    the end), the newest `keep_last_k` kept; `resume` ("auto" or a path) continues one;
-    `handle_preemption` saves and stops at the next step boundary after SIGTERM (`preemption_grace_s`:
-    the seconds until the kill, which a measured step and save are checked against); with `timeout_s`,
-    a rank that makes no progress for that long says so, with its threads' stacks, and exits 1
-    (instead of waiting in a collective for torch's 30-minute default)."""
-
-    epochs: int = 1
-    batch_size: int = 1
-    steps_per_epoch: int | None = None
-    valid_freq: int = 1
-    log_freq: int = 10
-    max_steps: int | None = None
-    valid_batch_size: int | None = None
-    shuffle: bool = True
-    collate_fn: Callable | None = None
-    num_workers: int = 0
-    shuffle_window: int = SHUFFLE_WINDOW
-    valid_steps: int | None = None
-    valid_at_start: bool = False
-    save_dir: str | None = None
-    save_freq: int = 0
-    keep_last_k: int | None = 3
-    resume: str | None = None
-    handle_preemption: bool = False
-    preemption_grace_s: float | None = (
-        None  # signal to kill: a measured step + save must fit (else a warning)
-    )
-    peak_tflops: float | None = None  # the device's peak for MFU (default: table / measured)
-    timeout_s: float | None = None  # a rank without progress this long ends the job (watchdog)
-    progress: bool = (
-        True  # rank 0 prints progress as the CLI does, unless a ConsoleLogger is among the callbacks
-    )
+    epochs: int = 1  # passes over the training data
+    batch_size: int = 1  # the global batch: split over data-parallel ranks and accumulation steps
+    steps_per_epoch: int | None = None  # cap of optimizer steps per epoch
+    valid_freq: int = 1  # validate every N epochs (when there is validation data)
+    log_freq: int = 10  # optimizer steps between logged lines / metrics.jsonl records
+    max_steps: int | None = None  # stop after this many optimizer steps
+    valid_batch_size: int | None = None  # global batch of validation (default: batch_size)
+    valid_steps: int | None = None  # cap the batches of a validation (default: all; a stream: to its end)
+    valid_at_start: bool = False  # also validate before the first step (logged as start_val_*)
+    # a rank without progress this long says so, with its threads' stacks, and the job ends
+    # (instead of waiting in a collective for torch's 30-minute default); None: no watchdog
+    timeout_s: float | None = None
+    resume: str | None = None  # auto (the newest complete checkpoint in the checkpoints dir, if any) | PATH
+    peak_tflops: float | None = None  # one device's peak for MFU (default: a table of GPUs, a CPU probe)
 
     def __post_init__(self) -> None:
-        for name in ("epochs", "batch_size", "steps_per_epoch", "valid_freq", "log_freq", "max_steps",
-                     "valid_batch_size", "valid_steps"):  # fmt: skip
+        for name in _COUNTS:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 allowed = "a whole number >= 1" + (", or None" if name in _OPTIONAL else "")
-                raise ConfigError(f"fit({name}={value!r}): {name} must be {allowed}")
+                raise ConfigError.about("fit", name, value, f"{name} must be {allowed}")
+
+
+@dataclass
+class LoaderConfig:
+    """How the training data is read."""
+
+    shuffle: bool = True  # shuffle the training data each epoch (seeded by the engine's seed)
+    shuffle_window: int = (
+        SHUFFLE_WINDOW  # a stream's examples permuted at a time when shuffled (map-style: unused)
+    )
+    num_workers: int = 0  # DataLoader worker processes
+    # a callable turning a list of samples into a batch (default: torch's); in a config tree a
+    # `_target_` node, which is why it is typed Any
+    collate_fn: Any = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.shuffle_window, int) or self.shuffle_window < 0:
+            raise ConfigError.about(
+                "fit", "shuffle_window", self.shuffle_window, "a whole number of examples >= 0"
+            )
+
+
+@dataclass
+class SaveConfig:
+    """How often checkpoints are written and how many are kept."""
+
+    save_freq: int = 0  # optimizer steps between checkpoints; 0: only when training ends
+    keep_last_k: int | None = 3  # complete checkpoints kept (older ones deleted); 0 or None keeps all
+
+
+@dataclass
+class FitConfig(SaveConfig, LoaderConfig, LoopConfig):
+    """How `fit` trains: `Engine.fit`'s keyword arguments (`LoopConfig`, `LoaderConfig`,
+    `SaveConfig`, and the fields below). Training data that is a stream
+    (`framework.data.streams`) needs `max_steps` (or `steps_per_epoch`); with `save_dir`, a
+    checkpoint every `save_freq` optimizer steps, the newest `keep_last_k` kept; `resume`
+    ("auto" or a path) continues one; `handle_preemption` saves and stops at the next step
+    boundary after SIGTERM (`preemption_grace_s`: the seconds until the kill, which a measured
+    step and save are checked against)."""
+
+    save_dir: str | None = None  # checkpoints dir; None: no checkpoints
+    handle_preemption: bool = (
+        False  # save and stop at the next step boundary after SIGTERM / SIGUSR1 / SIGUSR2
+    )
+    # seconds from a preemption signal to the kill: a warning when a measured step and save exceed it
+    preemption_grace_s: float | None = None
+    # rank 0 prints progress as the CLI does, unless a ConsoleLogger is among the callbacks
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        LoopConfig.__post_init__(self)
+        LoaderConfig.__post_init__(self)
         grace = self.preemption_grace_s
         if grace is not None and (
             isinstance(grace, bool) or not isinstance(grace, (int, float)) or grace <= 0
         ):
-            raise ConfigError(f"fit(preemption_grace_s={grace!r}): seconds > 0, or None")
-        if not isinstance(self.shuffle_window, int) or self.shuffle_window < 0:
-            raise ConfigError(f"fit(shuffle_window={self.shuffle_window!r}): a whole number of examples >= 0")
+            raise ConfigError.about("fit", "preemption_grace_s", grace, "seconds > 0, or None")
 
     def as_kwargs(self) -> dict[str, Any]:
         """The fields as keyword arguments (shallow: collate_fn stays the same object)."""
@@ -80,3 +118,9 @@ def fit_config(config: FitConfig | None, options: dict[str, Any]) -> FitConfig:
     ConfigError listing the valid ones."""
     options_of(FitConfig, options, "fit()")
     return replace(config or FitConfig(), **options)
+
+
+def shared(group: type, node: dict[str, Any]) -> dict[str, Any]:
+    """The options of `group` (one of the dataclasses above) that `node` (a config node) holds."""
+    names = {f.name for f in fields(group)}
+    return {k: v for k, v in node.items() if k in names}

@@ -28,6 +28,7 @@ the first weight is needed (measured by `benchmarks.exactness`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -132,8 +133,13 @@ class StepWeights(Sequence[torch.Tensor]):
     flight: the first weight read waits for it, so the all-reduce runs while the first
     micro-batch's forward pass does and no rank stalls in it before its step begins."""
 
-    def __init__(self, window: _Window, step: int, size: int):
+    def __init__(self, window: _Window, step: int, size: int, weighted: bool = True):
         self._window, self._step, self._size = window, step, size
+        self.weighted = weighted  # False: the step's losses need no weight (counted for the logs only)
+
+    def weight(self, i: int) -> Any:
+        """A zero-argument call giving micro-batch `i`'s weight, or None when it needs none."""
+        return functools.partial(self.__getitem__, i) if self.weighted else None
 
     def __len__(self) -> int:
         return self._size
@@ -156,30 +162,50 @@ def window_weights(
     module: Any,
     label_key: str,
     mesh: Mesh,
-    zero_stage: int = 0,
     device: torch.device | None = None,
 ) -> list[StepWeights] | None:
     """`step_weights` of several consecutive optimizer steps (each a list of micro-batches) with
     one all-reduce of their counts: a collective costs the host the same for one count or many,
     and on the CPU (gloo) each costs a step about as much as the counting it serves. Collective:
     every rank calls it at the same point with the same number of steps."""
+
+    def count(batch: Any) -> torch.Tensor | None:
+        if mesh.sp_size > 1:
+            batch = sequence_parallel.shard(batch, mesh, label_key)
+        return _items_of(batch, loss, module, label_key)
+
+    summed = reduction_of(loss) == "sum"
+    if reduction_of(loss) is None:
+        return None
+    return counted_windows(steps, count, mesh, summed, device)
+
+
+def counted_windows(
+    steps: Sequence[Sequence[Any]],
+    count: Any,
+    mesh: Mesh,
+    summed: bool = False,
+    device: torch.device | None = None,
+) -> list[StepWeights] | None:
+    """The weights of several consecutive optimizer steps' micro-batches for a loss that averages
+    (or, `summed`, sums) over the items `count(batch)` gives (a 0-d tensor, or None: no
+    weighting): the framework's default loss, or a method's `items` (`framework.methods`).
+    Collective (see `window_weights`)."""
     ranks, copies = mesh.dp_size * mesh.sp_size, mesh.tp_size  # whose losses add up; who holds an item
-    if ranks == 1 and reduction_of(loss) == "mean" and all(len(step) == 1 for step in steps):
-        return None  # one micro-batch on one rank: its mean is the global batch's (a weight of 1)
+    # one micro-batch on one rank: its mean is the global batch's (no weight), its count the step's
+    alone = ranks == 1 and not summed and all(len(step) == 1 for step in steps)
     locals_: list[torch.Tensor] = []
     for micro_batches in steps:
-        if mesh.sp_size > 1:
-            micro_batches = [sequence_parallel.shard(batch, mesh, label_key) for batch in micro_batches]
-        counts = [_items_of(batch, loss, module, label_key) for batch in micro_batches]
+        counts = [count(batch) for batch in micro_batches]
         if not counts or any(c is None for c in counts):
             return None
         locals_.append(torch.stack([c for c in counts if c is not None]))
     totals = torch.stack([local.sum() for local in locals_]).to(device or torch.device("cpu"))
     work = None
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+    if not alone and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         work = torch.distributed.all_reduce(totals, async_op=True)
-    window = _Window(locals_, totals, work, copies, ranks, summed=reduction_of(loss) == "sum")
-    return [StepWeights(window, i, len(local)) for i, local in enumerate(locals_)]
+    window = _Window(locals_, totals, work, 1 if alone else copies, ranks, summed=summed)
+    return [StepWeights(window, i, len(local), weighted=not alone) for i, local in enumerate(locals_)]
 
 
 def step_weights(
@@ -188,7 +214,6 @@ def step_weights(
     module: Any,
     label_key: str,
     mesh: Mesh,
-    zero_stage: int = 0,
     device: torch.device | None = None,
 ) -> StepWeights | None:
     """One weight per micro-batch of an optimizer step on this rank (see the module doc), or
@@ -198,5 +223,5 @@ def step_weights(
     every rank calls it once per optimizer step, with the same number of micro-batches; the count
     is reduced on `device` (the process context's collective device; the CPU when None), started
     here and awaited when a weight is first read (`StepWeights`)."""
-    found = window_weights([micro_batches], loss, module, label_key, mesh, zero_stage, device)
+    found = window_weights([micro_batches], loss, module, label_key, mesh, device)
     return None if found is None else found[0]

@@ -13,6 +13,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from torch.utils.data import default_collate
+
 from framework import checkpoint
 from framework.data import loaders as data_lib
 from framework.data.device_loader import set_epoch
@@ -72,6 +74,10 @@ def fit(
         runtime.load_universal = plan.load_universal
     host.schedule(plan.budget.total_steps)  # before prepare: a first build gets the budget at once
     host.prepare("train", cfg.batch_size)
+    prepared = _method_data(host, cfg, train_data, valid_data)  # before a resume loads the policy
+    if prepared[0] is not train_data:
+        plan, loader = plan_fit(host, prepared[0], cfg)
+    valid_data = prepared[1]
     _start_run(host, cfg, plan, has_valid=valid_data is not None)
     speed = Speedometer(runtime, cfg.batch_size, cfg.peak_tflops)
     parts = checkpoint.Stateful(runtime, st, host.metrics, owner(host.train_step_fn))
@@ -100,6 +106,20 @@ def fit(
     )
     events.fire(Event.FIT_END, st)
     return st.history
+
+
+def _method_data(host: Host, cfg: FitConfig, train_data: Any, valid_data: Any) -> tuple[Any, Any]:
+    """The training and validation data as the training method wants them (its `prepare_data`,
+    e.g. DPO's reference log-probabilities computed by the model before its first step), given
+    one per-rank batch of samples at a time; the data as they are for any other step."""
+    prepare = getattr(host.train_step_fn, "prepare_data", None)
+    if not callable(prepare):
+        return train_data, valid_data
+    chunk = max(1, cfg.batch_size // host.runtime.dp_size)
+    collate = cfg.collate_fn or default_collate
+    train = prepare(host, train_data, chunk, collate)
+    valid = prepare(host, valid_data, chunk, collate) if valid_data is not None else None
+    return train, valid
 
 
 def _epochs(

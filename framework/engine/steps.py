@@ -17,7 +17,11 @@ A step object (or the object a step method belongs to) may measure more than the
 loop logs what its `step_logs(device)` returns at each logging point, and evaluation what its
 `eval_logs(device)` returns at the end (as val_...); both are collective, every rank calls them.
 What such a window holds survives a checkpoint through `step_state()` (plain data, CPU tensors)
-and `load_step_state(states, device)`. `framework.engine.preference.DPO` is one.
+and `load_step_state(states, device)`. A step object whose loss averages over items of the whole
+global batch (tokens) says what they are with `items(batch)`, and is then called with its
+micro-batch's weight: `step(engine, batch, weight)`. The training methods of `framework.methods`
+are such objects; their full protocol (`attach`, `prepare_data`, `weights_loaded`) is in
+`framework.methods.base`.
 
 The default steps call a model that can return its key/value cache (a Hugging Face model's
 `use_cache`) with `use_cache=False` unless the batch sets it: evaluation and prediction keep
@@ -64,6 +68,28 @@ def owner(step_fn: Any) -> Any:
     """What a step's extra methods (`step_logs`, `eval_logs`, `step_state`) live on: the object a
     bound step method belongs to (`dpo.eval_step`), else the step itself."""
     return getattr(step_fn, "__self__", step_fn)
+
+
+def method_eval_step(train_step: Any) -> Callable[..., Any] | None:
+    """The validation step a training step object brings (a method's `eval_step`), or None."""
+    found = getattr(train_step, "eval_step", None)
+    return found if callable(found) and not inspect.ismethod(train_step) else None
+
+
+def attach_method(engine: Any) -> None:
+    """Let the engine's training step, when it is a method object with `attach`, set itself up
+    for this engine before DeepSpeed is built (`framework.methods.base`)."""
+    attach = getattr(engine.train_step_fn, "attach", None)
+    if callable(attach):
+        attach(engine)
+
+
+def counter_of(step_fn: Any) -> Callable[[Any], Any] | None:
+    """A step object's `items(batch)` (what its loss averages over, counted by the framework over
+    the global batch, `framework.engine.items`), or None: the step is then called with its
+    micro-batch's `weight` as a third argument."""
+    items = getattr(step_fn, "items", None)
+    return items if callable(items) and not takes_iterator(step_fn) else None
 
 
 def bind_step(step_fn: Callable[..., Any]) -> Callable[[Any, Iterator[Any]], Any]:

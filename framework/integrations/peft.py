@@ -1,8 +1,10 @@
 """Adapters with Hugging Face's `peft`: the one module that imports it.
 
 * What a model is: `is_adapted` (a `peft` wrapper), `base_model` (the model inside it).
-* Making one: `lora_config` (the `adapter.*` keys as a `peft.LoraConfig`), `adapt` (wrap a model
-  with a config, a causal LM as `CAUSAL_LM`), `describe` (the console line saying what trains).
+* Making one: `AdapterConfig` (the adapter's options: `adapter.*` on the command line, as a
+  `peft.LoraConfig` by `peft_config()`), `adapt` (wrap a model with a config, a causal LM as
+  `CAUSAL_LM`), `describe` (the console line saying what trains), `adapters_disabled` (the base
+  model for a block: a method's reference without a second copy).
 * Files: `save_config` / `load_config` (the adapter's config kept in a checkpoint, which names
   the base model it was trained from), `save_adapter` (a PEFT adapter directory from a state
   dict: `PeftModel.from_pretrained(base, DIR)` loads it), `merged` (the base with the adapter's
@@ -11,7 +13,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,28 +58,54 @@ def base_model(module: Any) -> Any:
     return module.get_base_model() if is_adapted(module) else module
 
 
-def lora_config(
-    r: int = 8,
-    alpha: int = 16,
-    dropout: float = 0.05,
-    target_modules: Any = ALL_LINEAR,
-    modules_to_save: Any = None,
-    use_dora: bool = False,
-) -> Any:
-    """A `peft.LoraConfig` from the `adapter.*` keys (lists may be OmegaConf's)."""
-    _require()
-    from peft import LoraConfig
+@dataclass
+class AdapterConfig:
+    """LoRA adapters on a frozen model, with `peft` (`+adapter=lora`, `Engine(adapter=...)`):
+    only the adapters train (`peft_config()` is the `peft.LoraConfig` it means)."""
 
-    targets = target_modules if isinstance(target_modules, str) else [str(t) for t in target_modules]
-    saved = None if modules_to_save is None else [str(m) for m in modules_to_save]
-    return LoraConfig(
-        r=int(r),
-        lora_alpha=int(alpha),
-        lora_dropout=float(dropout),
-        target_modules=targets,
-        modules_to_save=saved,
-        use_dora=bool(use_dora),
+    r: int = 8  # rank of each adapter's two matrices
+    alpha: int = 16  # scaling numerator: the adapter's output is multiplied by alpha / r
+    dropout: float = 0.05  # dropout on the adapter's input (0: the update is deterministic)
+    target_modules: Any = (
+        ALL_LINEAR  # module names to adapt, or all-linear: every linear layer but the output head
     )
+    modules_to_save: list[str] | None = None  # modules trained whole beside the adapters (e.g. [lm_head])
+    use_dora: bool = False  # DoRA: weight-decomposed adapters (a magnitude per output feature)
+
+    def peft_config(self) -> Any:
+        """The `peft.LoraConfig` of these options."""
+        _require()
+        from peft import LoraConfig
+
+        targets = self.target_modules
+        targets = targets if isinstance(targets, str) else [str(t) for t in targets]
+        saved = None if self.modules_to_save is None else [str(m) for m in self.modules_to_save]
+        return LoraConfig(
+            r=int(self.r),
+            lora_alpha=int(self.alpha),
+            lora_dropout=float(self.dropout),
+            target_modules=targets,
+            modules_to_save=saved,
+            use_dora=bool(self.use_dora),
+        )
+
+
+def peft_config(adapter: Any) -> Any:
+    """A `peft` config from `adapter`: an `AdapterConfig`, a dict of its options, or a `peft`
+    config as it is (None: None)."""
+    if isinstance(adapter, AdapterConfig):
+        return adapter.peft_config()
+    if isinstance(adapter, dict):
+        return AdapterConfig(**adapter).peft_config()
+    return adapter
+
+
+@contextlib.contextmanager
+def adapters_disabled(module: Any) -> Iterator[None]:
+    """The block runs `module` (a `peft` model) as its base model: adapters off, back on after
+    (`PeftModel.disable_adapter()`, as TRL's DPOTrainer takes its reference: no second copy)."""
+    with module.disable_adapter():
+        yield
 
 
 def adapt(model: nn.Module, config: Any, causal_lm: bool = False) -> nn.Module:

@@ -17,11 +17,11 @@ from omegaconf import OmegaConf
 
 from framework import Callback, checkpoint
 from framework.checkpoint import manager, safety, store
-from framework.cli import construct
 from framework.errors import CheckpointError
 from framework.export import fp32_state_dict, load_weights, main, save_weights
 from framework.models import LMLoss
 from framework.plan.run_plan import Mesh
+from framework.recipe import model as construct
 
 from ..conftest import CONF, final_metrics, run_train
 from .test_checkpoint import SLOW, kill_after, records, start

@@ -321,10 +321,10 @@ def test_optimizer_states_reach_deepspeeds_converter_under_adams_names_and_come_
     ],
 )
 def test_values_that_would_crash_mid_run_are_refused_at_composition(compose, override, words):
-    from framework.cli.config import check_schema
+    from framework.recipe import tree_of
 
     with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
-        check_schema(compose([override]))
+        tree_of(compose([override]))
 
 
 def test_a_loss_that_is_not_a_scalar_says_how_to_fix_it():

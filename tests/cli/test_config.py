@@ -9,13 +9,14 @@ from hydra.utils import instantiate
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
 from framework.cli.argv import normalize
-from framework.cli.build import build_strategy
-from framework.cli.config import GROUPS, check_schema
-from framework.cli.main import prepare_argv
+from framework.cli.config import GROUPS
+from framework.cli.startup import prepare_argv
 from framework.data.datasets import Splits
 from framework.data.streams import Reader, Stream
 from framework.errors import ConfigError
 from framework.plan.strategy import Strategy
+from framework.recipe import tree_of
+from framework.recipe.build import strategy_of
 
 from ..conftest import CONF
 
@@ -92,7 +93,7 @@ def test_an_option_in_the_config_store_passes_the_prechecks():
 
 @pytest.mark.parametrize("name", options("strategy"))
 def test_every_strategy_option_builds_a_strategy(compose, name):
-    assert isinstance(build_strategy(compose([f"strategy={name}"])), Strategy)
+    assert isinstance(strategy_of(tree_of(compose([f"strategy={name}"]))), Strategy)
 
 
 @pytest.mark.parametrize("name", options("model"))
@@ -254,10 +255,10 @@ def test_keys_added_with_plus_are_checked_against_the_schema(compose, override, 
     """Hydra lets `+key=...` add keys even to typed nodes; the run checks them before starting."""
     cfg = compose([override])
     with pytest.raises(ConfigError) as err:
-        check_schema(cfg)
+        tree_of(cfg)
     for word in words:
         assert word in str(err.value)
-    check_schema(compose())
+    tree_of(compose())
 
 
 def test_wrong_type_fails_at_composition(compose):
@@ -300,13 +301,13 @@ def test_a_config_dir_that_does_not_exist_is_one_line(tmp_path, capsys):
 
 
 def test_the_adapter_group_composes_and_a_parallelism_it_lacks_is_refused_before_any_process(compose):
-    from framework.cli.build import validate
-    from framework.cli.construct import adapter_config
+    from framework.integrations.peft import AdapterConfig
+    from framework.recipe import validate
 
     cfg = compose(
         ["model=hf_llama", "+adapter=lora", "adapter.r=4", "adapter.target_modules=[q_proj,v_proj]"]
     )
-    config = adapter_config(cfg.adapter)
+    config = AdapterConfig(**tree_of(cfg)["adapter"]).peft_config()
     assert (config.r, config.lora_alpha, sorted(config.target_modules)) == (4, 16, ["q_proj", "v_proj"])
     assert compose().get("adapter") is None  # no adapter unless asked for
     with pytest.raises(ConfigError, match="strategy.tensor_parallel.degree=1"):

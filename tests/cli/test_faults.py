@@ -78,14 +78,26 @@ def test_a_non_finite_csv_cell_is_named_before_training(tmp_path):
     ],
 )
 def test_a_monitor_that_names_nothing_the_run_logs_is_refused(compose, overrides, words):
-    from framework.cli.build import check_monitors
+    from framework.recipe import tree_of
+    from framework.recipe.options import monitor_of
 
-    cfg = compose(overrides)
     with pytest.raises(ConfigError, match=words):
-        check_monitors(cfg, has_valid=True)
-    check_monitors(compose(["trainer.monitor=val_accuracy"]), has_valid=True)
+        monitor_of(tree_of(compose(overrides)), has_valid=True)
+    assert monitor_of(tree_of(compose(["trainer.monitor=val_accuracy"])), has_valid=True) == "val_accuracy"
     with pytest.raises(ConfigError, match="no validation data, so no val_"):
-        check_monitors(compose([]), has_valid=False)
+        monitor_of(tree_of(compose(["trainer.monitor=val_loss"])), has_valid=False)
+
+
+def test_an_unwritten_monitor_follows_the_run(compose, capsys):
+    """The default the user did not write is the validation loss when there is validation data
+    and the training loss otherwise (said once); only a monitor the user wrote is held strictly."""
+    from framework.recipe import tree_of
+    from framework.recipe.options import monitor_of
+
+    assert monitor_of(tree_of(compose()), has_valid=True) == "val_loss"
+    assert capsys.readouterr().out == ""
+    assert monitor_of(tree_of(compose()), has_valid=False) == "loss"
+    assert "trainer.monitor: loss (no validation data" in capsys.readouterr().out
 
 
 def test_metadata_without_checksums_is_refused(tmp_path):
@@ -225,10 +237,10 @@ def test_export_to_a_path_under_a_file_is_one_line(tmp_path, capsys):
 
 
 def test_a_timeout_too_short_for_a_start_is_refused(compose):
-    from framework.cli.config import check_schema
+    from framework.recipe import tree_of
 
     with pytest.raises(ConfigError, match=r"trainer.timeout_s=0.01: must be a finite number >= 5"):
-        check_schema(compose(["trainer.timeout_s=0.01"]))
+        tree_of(compose(["trainer.timeout_s=0.01"]))
 
 
 @pytest.mark.slow

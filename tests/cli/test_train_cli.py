@@ -115,16 +115,18 @@ def test_the_dry_run_prints_the_deepspeed_config_the_runtime_passes(compose, cap
     """GPT at ZeRO-3: the printed config has the sizes DeepSpeed gets (its prefetch bucket is
     sized by the largest transformer block, not the largest tensor)."""
     from framework.backend.runtime import Runtime
-    from framework.cli.build import build_engine, build_strategy, train
+    from framework.cli.build import train
+    from framework.recipe import build_engine, tree_of
+    from framework.recipe.build import strategy_of
 
     overrides = ["model=gpt", "data=chars", "loss=lm", "metrics=none", "+strategy=zero3"]
     overrides += ["data.dataset.max_chars=20000"]
     train(compose([*overrides, "+dry_run=true"]), str(tmp_path))
     printed = json.loads(capsys.readouterr().out.split("DeepSpeed config: ")[1].splitlines()[0])
-    cfg = compose(overrides)
-    runtime = Runtime(build_strategy(cfg))
+    cfg = tree_of(compose(overrides))
+    runtime = Runtime(strategy_of(cfg))
     try:
-        build_engine(cfg, runtime, callbacks=[]).prepare("train", int(cfg.trainer.batch_size))
+        build_engine(cfg, runtime, callbacks=[]).prepare("train", int(cfg["trainer"]["batch_size"]))
         assert printed == runtime.config
     finally:
         end_group()

@@ -277,3 +277,16 @@ def test_help_lists_groups_and_options():
     # the composed config shows current keys only, not the old names kept for old command lines
     assert "valid_freq: 1" in run.stdout
     assert not any(old in run.stdout for old in ("valid_every", "log_every", "every_n_steps"))
+
+
+def test_plot_reads_records_from_before_a_rename_as_one_curve(tmp_path):
+    """DPO's `rewards/accuracy` is TRL's `rewards/accuracies` now: a run resumed across the rename
+    plots one curve."""
+    from framework.plot import series
+
+    records = [
+        {"kind": "step", "step": 1, "loss": 0.7, "rewards/accuracy": 0.5},
+        {"kind": "step", "step": 2, "loss": 0.6, "rewards/accuracies": 0.75},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert series(tmp_path)["rewards/accuracies"] == [(1, 0.5), (2, 0.75)]

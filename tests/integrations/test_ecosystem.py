@@ -15,8 +15,8 @@ from omegaconf import OmegaConf
 
 from framework import ConfigError, Engine, Strategy
 from framework.backend.runtime import Runtime
-from framework.cli import construct
 from framework.data.datasets import chars
+from framework.recipe import model as construct
 
 from ..conftest import ROOT, end_group, fails_cleanly, run_cmd, subprocess_env
 
@@ -312,7 +312,7 @@ def reference_losses(steps: int = 10) -> list[float]:
     """The same run as a plain PyTorch loop: same seed, same data order, fp32, no DeepSpeed."""
     from omegaconf import OmegaConf as OC
 
-    from framework.cli.build import seed_everything
+    from framework.recipe import seed_everything
 
     seed_everything(0)
     data = chars(block_size=64, max_chars=60000)

@@ -337,20 +337,18 @@ def test_hf_text_takes_the_tokenizer_of_the_models_directory(tmp_path, capsys):
     (before, the bytes of the text were the tokens, silently); a dir without one changes nothing."""
     from omegaconf import OmegaConf
 
-    from framework.cli.build import _tokenizer_from_model_dir
+    from framework.recipe.options import tokenizer_from_model_dir
 
     word_tokenizer([r["text"] for r in rule_rows(50)]).save_pretrained(tmp_path / "with")
     (tmp_path / "without").mkdir()
     for model_dir, expected in ((tmp_path / "with", str(tmp_path / "with")), (tmp_path / "without", None)):
-        cfg = OmegaConf.create(
-            {
-                "model": OmegaConf.load(ROOT / "conf" / "model" / "hf_causal_lm.yaml"),
-                "data": OmegaConf.load(ROOT / "conf" / "data" / "hf_text.yaml"),
-            }
-        )
-        cfg.model.path = str(model_dir)
-        _tokenizer_from_model_dir(cfg)
-        assert cfg.data.dataset.tokenizer == expected
+        tree = {
+            "model": OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / "hf_causal_lm.yaml")),
+            "data": OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "data" / "hf_text.yaml")),
+        }
+        tree["model"]["path"] = str(model_dir)
+        tokenizer_from_model_dir(tree)
+        assert tree["data"]["dataset"]["tokenizer"] == expected
     assert capsys.readouterr().out.count("data: the tokenizer of") == 1
 
 
@@ -395,7 +393,7 @@ def test_the_parameter_count_of_a_model_directory_is_its_models(tmp_path, tied):
     2.39 M model: the weight files' bytes / 2), tied embeddings once."""
     from omegaconf import OmegaConf
 
-    from framework.cli.construct import count_parameters
+    from framework.recipe.model import count_parameters
 
     model = tiny_llama()
     model.config.tie_word_embeddings = tied

@@ -198,8 +198,11 @@ def test_steps_counted_in_one_window_weigh_as_each_counted_alone():
         alone = step_weights(step, LMLoss(), None, "labels", one)
         assert alone is not None and [w.item() for w in together] == [w.item() for w in alone]
     assert window_weights(steps, torch.nn.MSELoss(), None, "labels", one) is None  # no counts: no weights
-    # one micro-batch per step on one rank: its own mean is the global batch's, nothing to count
-    assert window_weights([[(None, labels[:1])]] * 2, LMLoss(), None, "labels", one) is None
+    # one micro-batch per step on one rank: its own mean is the global batch's, no weight; its
+    # count is still the step's (counted_items in the logs of a 1-process run)
+    alone = window_weights([[(None, labels[:1])]] * 2, LMLoss(), None, "labels", one)
+    assert alone is not None and not alone[0].weighted and alone[0].weight(0) is None
+    assert alone[0].items() == 2
     summed = window_weights(
         [[(None, labels[:1])]], torch.nn.CrossEntropyLoss(reduction="sum"), None, "labels", one
     )
@@ -389,11 +392,12 @@ def test_the_command_line_and_the_python_api_share_names_and_defaults(compose, t
     CLI's logger group decides, named here."""
     import inspect
 
-    from framework.cli.build import build_fit_config
     from framework.engine.fit_config import FitConfig
+    from framework.recipe import tree_of
+    from framework.recipe.options import fit_options
 
     cfg = compose()
-    built = build_fit_config(cfg, tmp_path, handle_preemption=False, resume=None).as_kwargs()
+    built = fit_options(tree_of(cfg), tmp_path, None).as_kwargs()
     defaults = FitConfig().as_kwargs()
     demo = {"epochs": 10, "batch_size": 64, "timeout_s": 300.0, "save_dir": str(tmp_path), "progress": False}
     assert {k: v for k, v in built.items() if v != defaults[k]} == demo
@@ -401,10 +405,11 @@ def test_the_command_line_and_the_python_api_share_names_and_defaults(compose, t
 
 
 def test_old_trainer_keys_still_work_with_one_line(compose, tmp_path, capsys):
-    from framework.cli.build import build_fit_config
+    from framework.recipe import tree_of
+    from framework.recipe.options import fit_options
 
     cfg = compose(["trainer.log_every=3", "trainer.checkpoint.every_n_steps=7", "trainer.valid_freq=2"])
-    built = build_fit_config(cfg, tmp_path, handle_preemption=False, resume=None)
+    built = fit_options(tree_of(cfg), tmp_path, None)
     assert (built.log_freq, built.save_freq, built.valid_freq) == (3, 7, 2)
     out = capsys.readouterr().out
     assert "trainer.log_every is deprecated: use trainer.log_freq" in out

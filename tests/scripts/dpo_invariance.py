@@ -2,7 +2,7 @@
 tiny Llama, fp32) for ZeRO 0 and 3 x accumulation 1 and 2 must give plain torch's weights (the
 loss a mean over the global batch's pairs) and log its loss and reward metrics. The full model
 at ZeRO-0 uses a frozen reference copy, at ZeRO-3 reference log-probabilities computed before
-training; a LoRA model (peft) uses itself with its adapters disabled.
+training (by `fit` itself: the API's DPO(precompute_reference=True) means what it says); a LoRA model (peft) uses itself with its adapters disabled.
 
 Usage: dpo_invariance.py OUT_DIR. Writes OUT_DIR/rank<R>.json: {"errors": {"<model> zero<S>
 acc<A> <reference>": [max weight error, max loss error, max reward-metric error]} (the LoRA ZeRO-3 case also writes
@@ -16,21 +16,17 @@ import copy
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from framework import Callback, Engine, ProcessContext, Strategy
 from framework.backend.runtime import Runtime
 from framework.data.datasets.preference import PairCollator, PairEncoder
-from framework.engine.preference import (
-    DPO,
-    RewardMeter,
-    dpo_losses,
-    objective_for,
-    pair_logps,
-    with_reference_logps,
-)
 from framework.errors import ConfigError
+from framework.methods import DPO
+from framework.methods.dpo import dpo_losses
+from framework.methods.pairs import PAIR_METRICS, pair_stats
 from framework.observe.loggers import MetricsFile
 from tests.helpers.tiny_chat import tiny_chat_tokenizer, tiny_llama
 from tests.helpers.tiny_pairs import PAIRS
@@ -75,11 +71,18 @@ def plain_torch(make_policy):
     batch, logs = collate(pairs), []
     for _ in range(STEPS):
         with torch.no_grad():
-            ref = pair_logps(reference, batch, False)
-        losses, chosen, rejected = dpo_losses(*pair_logps(model, batch, False), *ref, BETA)
-        meter = RewardMeter()
-        meter.add(chosen, rejected)
-        logs.append({"loss": losses.mean().item(), **meter.read()})
+            ref = [s.logps for s in pair_stats(reference, batch)]
+        policy = pair_stats(model, batch, extras=True)
+        losses, chosen, rejected = dpo_losses(*(s.logps for s in policy), *ref, BETA)
+        logs.append(
+            {
+                "loss": losses.mean().item(),
+                "rewards/chosen": chosen.mean().item(),
+                "rewards/rejected": rejected.mean().item(),
+                "rewards/margins": (chosen - rejected).mean().item(),
+                "rewards/accuracies": (chosen > rejected).float().mean().item(),
+            }
+        )
         optimizer.zero_grad()
         losses.mean().backward()
         optimizer.step()
@@ -123,19 +126,17 @@ with ProcessContext.start("cpu") as process:
             make(), optimizer=lambda p: torch.optim.SGD(p, lr=LR), strategy=strategy, train_step=dpo,
             process=process, callbacks=callbacks,
         )  # fmt: skip
-        data = pairs
-        if reference == "precompute":
-            engine.prepare("train", GLOBAL)
-            data = with_reference_logps(engine, pairs, 4, collate)
-        engine.fit(data, batch_size=GLOBAL, epochs=STEPS, shuffle=False, collate_fn=collate, log_freq=1)
+        # precompute_reference=True: fit computes the reference log-probabilities itself
+        engine.fit(pairs, batch_size=GLOBAL, epochs=STEPS, shuffle=False, collate_fn=collate, log_freq=1)
         got = engine.runtime.full_state_dict(on_every_rank=True)
         assert len(logged.logs) == STEPS, logged.logs
         assert set(got) == set(want_weights), sorted(set(got) ^ set(want_weights))[:5]
         weight_error = max((got[k] - v).abs().max().item() for k, v in want_weights.items())
         loss_error = max(abs(g["loss"] - w["loss"]) for g, w in zip(logged.logs, want_logs))
         reward_error = max(
-            abs(g[k] - w[k]) for g, w in zip(logged.logs, want_logs) for k in RewardMeter.NAMES
+            abs(g[k] - w[k]) for g, w in zip(logged.logs, want_logs) for k in want_logs[0] if k != "loss"
         )
+        assert all(name in g for g in logged.logs for name in PAIR_METRICS), logged.logs
         errors[f"{name} zero{stage} acc{acc} {reference}"] = [weight_error, loss_error, reward_error]
         if reference == "copy" and stage == 3:  # the frozen copy's share of its parameters on this rank
             params = list(dpo.reference.module.parameters())
@@ -145,7 +146,7 @@ with ProcessContext.start("cpu") as process:
     with runtime.init_context():
         partitioned = torch.nn.Linear(4, 4)  # as ZeRO-3 builds a model too large for one rank
     try:
-        objective_for(partitioned, {"beta": BETA})
+        DPO(beta=BETA).attach(SimpleNamespace(module=partitioned))
         refused = ""
     except ConfigError as exc:
         refused = str(exc)

@@ -1,19 +1,34 @@
-"""What a run writes beside its metrics (the DeepSpeed config it really received, the final
-metrics) and what `+dry_run=true` prints (per-rank model-state memory, the DeepSpeed config)."""
+"""What a run writes beside its metrics (its resolved config, the DeepSpeed config it really
+received, the final metrics) and what `dry_run` prints (per-rank model-state memory, the
+DeepSpeed config)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from framework.backend import parallel
 from framework.engine import Engine
 from framework.observe.callbacks import Callback
 from framework.observe.state import LoopState
 
+CONFIG_FILE = "config.yaml"
+
+
+def write_config(tree: dict[str, Any], output_dir: Path) -> Path:
+    """The run's resolved config tree as `config.yaml` (what `framework.build` can replay)."""
+    path = output_dir / CONFIG_FILE
+    path.write_text(yaml.safe_dump(tree, sort_keys=False, default_flow_style=False))
+    return path
+
 
 class RunFiles(Callback):
     """Rank 0 writes the DeepSpeed config that the engine really received, then the final metrics."""
+
+    rank_zero_only = True
 
     def __init__(self, output_dir: Path):
         self.output_dir = output_dir
@@ -40,7 +55,7 @@ def _size(n: float) -> str:
 
 
 def print_plan(engine: Engine) -> None:
-    """What `+dry_run=true` prints: per-rank model-state memory and the DeepSpeed config."""
+    """What `dry_run` prints: per-rank model-state memory and the DeepSpeed config."""
     cost = engine.cost("train")
     runtime = engine.runtime
     parallel.check_model(runtime.strategy, runtime.mesh, engine.module)  # what training would refuse

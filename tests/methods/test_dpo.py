@@ -1,5 +1,5 @@
-"""DPO (`framework.engine.preference`) against TRL's `DPOTrainer` on a tiny Llama and 8 pairs,
-its reference under adapters, the pairs data, and the same training on every layout."""
+"""DPO (`framework.methods.dpo`) against TRL's `DPOTrainer` on a tiny Llama and 8 pairs, its
+reference under adapters, the pairs data, and the same training on every layout."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ import torch
 
 from framework.data.datasets.preference import hf_preference
 from framework.data.streams import Reader
-from framework.engine.preference import DPO, RewardMeter, objective_for, with_reference_logps
 from framework.errors import ConfigError
+from framework.methods import DPO, method_class
+from framework.methods.pairs import PAIR_METRICS
+from framework.methods.precompute import with_reference_logps
 from tests.conftest import ROOT, run_layout_script
 from tests.helpers.tiny_chat import tiny_chat_tokenizer, tiny_llama, write_tiny_llama
 from tests.helpers.tiny_pairs import PAIRS, write_pairs_jsonl
@@ -25,6 +27,12 @@ def _as_step_host(model):
     one process without DeepSpeed (the layout script runs the real runtime's `frozen`)."""
     runtime = SimpleNamespace(frozen=lambda reference: reference.requires_grad_(False).eval())
     return SimpleNamespace(model=model, module=model, output_key=None, runtime=runtime)
+
+
+def attached(method, model):
+    """`method` as an Engine taking it sets it up (`Method.attach`), without DeepSpeed."""
+    method.attach(_as_step_host(model))
+    return method
 
 
 def _messages(value, role):
@@ -102,16 +110,16 @@ def test_pairs_data_renders_as_trl_does(trl_batch):
     assert sorted(ours) == sorted(theirs)
 
 
-def test_dpo_loss_and_rewards_equal_trl(trl_batch):
-    """A policy that differs from the reference: TRL's loss and reward metrics (1e-5)."""
+def test_dpo_loss_and_metrics_equal_trl(trl_batch):
+    """A policy that differs from the reference: TRL's loss and every pair metric TRL logs under
+    the same name (rewards/*, logps/*, logits/*), to 1e-5."""
     dpo = DPO(beta=0.1, reference=copy.deepcopy(trl_batch.reference))
     loss = dpo(_as_step_host(trl_batch.policy), _ours_from_trl(trl_batch.batch))
     logs = dpo.step_logs()
     assert loss.item() == pytest.approx(trl_batch.loss, abs=1e-5)
-    assert logs["rewards/chosen"] == pytest.approx(trl_batch.metrics["rewards/chosen"], abs=1e-5)
-    assert logs["rewards/rejected"] == pytest.approx(trl_batch.metrics["rewards/rejected"], abs=1e-5)
-    assert logs["rewards/margins"] == pytest.approx(trl_batch.metrics["rewards/margins"], abs=1e-5)
-    assert logs["rewards/accuracy"] == pytest.approx(trl_batch.metrics["rewards/accuracies"], abs=1e-6)
+    assert set(logs) == set(PAIR_METRICS) and set(PAIR_METRICS) <= set(trl_batch.metrics)
+    for name in PAIR_METRICS:
+        assert logs[name] == pytest.approx(trl_batch.metrics[name], abs=1e-5, rel=1e-6), name
     assert abs(loss.item() - math.log(2)) > 1e-3  # the policy really differs
 
 
@@ -164,8 +172,8 @@ def test_peft_reference_is_the_model_with_adapters_disabled(trl_batch):
         copy.deepcopy(base), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
     )
     batch = trl_batch.ours.collate_fn([trl_batch.ours.train[i] for i in range(8)])
-    dpo = objective_for(model, options={"name": "dpo", "beta": 0.1})
-    assert dpo.reference is None
+    dpo = attached(DPO(beta=0.1), model)
+    assert not dpo.reference.is_copy
     assert dpo(_as_step_host(model), batch).item() == pytest.approx(math.log(2), abs=1e-6)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -177,12 +185,25 @@ def test_peft_reference_is_the_model_with_adapters_disabled(trl_batch):
 
 
 def test_ipo_and_options_are_checked():
-    with pytest.raises(ConfigError, match="objective.loss_type=kto"):
+    """Errors name the API's parameter; `ConfigError.at` words them with the config key."""
+    with pytest.raises(ConfigError, match=r"DPO\(loss_type='kto'\): one of sigmoid, ipo") as err:
         DPO(loss_type="kto")
-    with pytest.raises(ConfigError, match="objective.beta"):
+    assert err.value.at("objective") == "objective.loss_type=kto: one of sigmoid, ipo"
+    with pytest.raises(ConfigError, match=r"DPO\(beta=0\)"):
         DPO(beta=0)
-    with pytest.raises(ConfigError, match="objective.name=kto"):
-        objective_for(torch.nn.Linear(2, 2), options={"name": "kto"})
+    with pytest.raises(ConfigError, match="did you mean beta"):
+        DPO(betta=0.2)
+    with pytest.raises(ConfigError, match="no training method called 'kto'"):
+        method_class("kto")
+
+
+def test_a_frozen_copy_is_made_when_the_engine_takes_the_method():
+    """From Python as from the CLI: DPO() without a reference copies the model it is attached to
+    (before DeepSpeed); with precompute_reference, or for a peft model, no copy is made."""
+    model = torch.nn.Linear(2, 2)
+    assert attached(DPO(), model).reference.is_copy
+    assert attached(DPO(), model).reference.module is not model
+    assert not attached(DPO(precompute_reference=True), model).reference.is_copy
 
 
 def test_a_pair_cut_away_is_dropped_and_counted(tmp_path, capsys):
@@ -216,10 +237,10 @@ def test_dpo_trains_the_same_weights_on_every_layout(tmp_path):
     assert all(moved > 1e-3 for r in script_results for moved in r["moved"].values())
     assert len(script_results[0]["errors"]) == 5
     assert all(r["reference_share"] < 0.6 for r in script_results)  # the ZeRO-3 copy is partitioned
-    assert all("objective.precompute_reference=true" in r["refused"] for r in script_results)
+    assert all("precompute_reference=True" in r["refused"] for r in script_results)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r["kind"] == "step"]
-    assert len(steps) == 2 and all(key in r for r in steps for key in RewardMeter.NAMES), steps
+    assert len(steps) == 2 and all(key in r for r in steps for key in PAIR_METRICS), steps
     assert steps[1]["rewards/margins"] != 0.0  # TRL's names, in the run's metrics file
 
 
