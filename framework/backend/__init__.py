@@ -4,7 +4,9 @@ Rule: imports `framework.errors`, `framework.process`, `framework.integrations`,
 `framework.plan` and `framework.data`; nothing above it. DeepSpeed is imported inside functions
 (importing the framework never imports DeepSpeed, which fixes its accelerator when first imported).
 
-* `runtime`           the one owner of DeepSpeed's engine;
+* `runtime`           the one owner of DeepSpeed's engine (building it, forward, backward, step,
+                      a frozen reference laid out as the trained model);
+* `runtime_state`     what that engine holds, in and out: checkpoint files, whole weights;
 * `topology`          where a runtime runs and how its batch splits: the process context, the
                       mesh, the batch layout (fixed by the first training call);
 * `ds_config`         Strategy + layout + model sizes -> DeepSpeed's config dict (the only module

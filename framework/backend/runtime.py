@@ -10,29 +10,24 @@ batches, state dicts). Nothing outside this module holds DeepSpeed's engine.
 from __future__ import annotations
 
 import contextlib
-import inspect
-import json
 import types
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from framework.backend import (
-    checkpoint_files,
     deepspeed_globals,
     expert_parallel,
     parallel,
-    weights,
     zero3_trace,
 )
 from framework.backend import pipeline as pipeline_lib
 from framework.backend import recompute as recompute_lib
 from framework.backend.ds_config import deepspeed_config, zero_init_config
 from framework.backend.placement import offload_optimizer
-from framework.backend.topology import Topology
+from framework.backend.runtime_state import RuntimeState
 from framework.data.transfer import Copier
 from framework.errors import ConfigError
 from framework.integrations import peft
@@ -43,9 +38,9 @@ from framework.process import watchdog
 from framework.process.context import ProcessContext
 
 
-class Runtime(Topology):
+class Runtime(RuntimeState):
     """DeepSpeed for one model under one `Strategy` (see the module doc); where it runs and how
-    its batch splits come from `Topology`."""
+    its batch splits come from `Topology`, its checkpoints and whole weights from `RuntimeState`."""
 
     def __init__(self, strategy: Strategy, process: ProcessContext | None = None):
         super().__init__(strategy, process)
@@ -74,11 +69,6 @@ class Runtime(Topology):
         return deepspeed.zero.Init(
             config_dict_or_path=zero_init_config(self.strategy, self.layout_for_init(), self.cuda)
         )
-
-    @property
-    def ready(self) -> bool:
-        """True once `initialize` ran."""
-        return self.deepspeed_engine is not None
 
     def deepspeed_config_for(self, module: nn.Module) -> dict[str, Any]:
         """The config `initialize` gives DeepSpeed for `module` (what `+dry_run=true` prints)."""
@@ -264,11 +254,6 @@ class Runtime(Topology):
         return int(self.deepspeed_engine.skipped_steps) if self.deepspeed_engine is not None else 0
 
     @property
-    def optimizer(self) -> Any:
-        """DeepSpeed's (wrapped) optimizer, or None."""
-        return getattr(self.deepspeed_engine, "optimizer", None)
-
-    @property
     def optimizer_name(self) -> str:
         """The class name of the optimizer inside DeepSpeed's wrappers ("" without one)."""
         opt = self.optimizer
@@ -308,47 +293,6 @@ class Runtime(Topology):
         """The pipeline's mean loss over one round of micro-batches, without gradients."""
         return pipeline_lib.eval_batch(self.deepspeed_engine, batches)
 
-    # ------------------------------------------------------------------ state
-    def save_checkpoint(self, ckpt_dir: str, tag: str) -> None:
-        """DeepSpeed's own files of this rank (weights, optimizer, scheduler) under `ckpt_dir/tag`;
-        of an adapted model, only what trains (the frozen base is rebuilt from where it came)."""
-        self.deepspeed_engine.save_checkpoint(
-            ckpt_dir, tag=tag, save_latest=False, exclude_frozen_parameters=self.adapted
-        )
-
-    def load_checkpoint(self, ckpt_dir: str, tag: str) -> Any:
-        """Load what `save_checkpoint` wrote; returns DeepSpeed's load path (None: nothing loaded)."""
-        path, _ = self.deepspeed_engine.load_checkpoint(
-            ckpt_dir, tag=tag, load_module_strict=not self.adapted
-        )
-        expert_parallel.unshare_optimizer_steps(getattr(self.optimizer, "optimizer", None))
-        staged = Path(ckpt_dir) / tag / checkpoint_files.STATE_NAMES  # a conversion of SGD's states
-        if path is not None and staged.is_file():
-            checkpoint_files.restore_state_names(self.optimizer.optimizer, json.loads(staged.read_text()))
-        return path
-
-    @property
-    def adapted(self) -> bool:
-        """True for a model wrapped with adapters (`peft`): only they train and are checkpointed."""
-        return peft.is_adapted(self.module)
-
-    def optimizer_state_dict(self) -> dict[str, Any]:
-        """This rank's optimizer state (DeepSpeed's, partitioned under ZeRO)."""
-        return self.optimizer.state_dict() if self.optimizer is not None else {}
-
-    def load_optimizer_state_dict(self, state: dict[str, Any]) -> None:
-        """Load what `optimizer_state_dict` gave on this rank. DeepSpeed's ZeRO / bf16 optimizers take
-        one state dict per data-parallel rank; the fp32 master is rebuilt from the module weights."""
-        optimizer = self.optimizer
-        params = list(inspect.signature(optimizer.load_state_dict).parameters)
-        if params and params[0] == "state_dict_list":
-            optimizer.load_state_dict([state] * self.dp_size, load_from_fp32_weights=False)
-        else:
-            optimizer.load_state_dict(state)
-
-    def _is_zero3(self) -> bool:
-        return self.strategy.partitions_parameters
-
     def frozen(self, module: nn.Module) -> Any:
         """A frozen model (a reference, never trained) laid out as the trained one: under ZeRO-3 its
         own DeepSpeed engine without an optimizer (partitioned over the ranks, gathered layer by
@@ -370,28 +314,3 @@ class Runtime(Topology):
         zero3_trace.keep_release_plans_fresh(module, engine)
         engine.eval()
         return engine
-
-    def full_state_dict(self, on_every_rank: bool = False) -> dict[str, torch.Tensor]:
-        """The module's complete weights as CPU tensors, on rank 0 ({} elsewhere unless
-        `on_every_rank`). Collective. See `framework.backend.weights.consolidate`."""
-        assert self.module is not None
-        pipe = self.deepspeed_engine.module if self.strategy.uses_pipeline and self.ready else None
-        master = self.optimizer is not None
-        return weights.consolidate(
-            self.module,
-            self._is_zero3(),
-            pipe,
-            on_every_rank,
-            master,
-            weights.fp32_masters(self.optimizer),
-            self._process,
-        )
-
-    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load complete weights into the module (every rank passes the same dict; under ZeRO-3
-        rank 0's are used) and refresh DeepSpeed's fp32 master copy so the next optimizer step
-        starts from them."""
-        assert self.module is not None
-        weights.load_whole(self.module, self._is_zero3(), state, self.mesh.rank)
-        if hasattr(self.optimizer, "refresh_fp32_params"):
-            self.optimizer.refresh_fp32_params()

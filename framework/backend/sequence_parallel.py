@@ -120,11 +120,19 @@ def _ulysses_attention(core: Callable[..., Any]) -> Callable[..., Any]:
         shape = (query.shape[0], query.shape[1], key.shape[1], query.shape[3])
         group = mpu.get_sequence_parallel_group()
         if shape not in made or made[shape][0] is not group:  # new, or its groups were made anew
-            made[shape] = group, UlyssesSPAttentionHF(
-                attn=core, batch_size=shape[0], attn_head_count=shape[1], attn_head_size=shape[3],
-                kv_head_count=shape[2], num_hidden_layers=getattr(module.config, "num_hidden_layers", 1),
-                process_group=group, seq_length_is_variable=True,
-            )  # fmt: skip
+            made[shape] = (
+                group,
+                UlyssesSPAttentionHF(
+                    attn=core,
+                    batch_size=shape[0],
+                    attn_head_count=shape[1],
+                    attn_head_size=shape[3],
+                    kv_head_count=shape[2],
+                    num_hidden_layers=getattr(module.config, "num_hidden_layers", 1),
+                    process_group=group,
+                    seq_length_is_variable=True,
+                ),
+            )
         return made[shape][1](module, query, key, value, None, *args, **kwargs)
 
     return attention

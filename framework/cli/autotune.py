@@ -167,10 +167,14 @@ def trial_worker(container: dict[str, Any], log: str) -> tuple[float | None, flo
                 else getattr(splits, "collate_fn", None)
             )
             options = measured.trial_options(
-                int(t.batch_size), int(a.trial_steps), shuffle=bool(cfg.data.shuffle), collate_fn=collate,
-                num_workers=int(cfg.data.num_workers), shuffle_window=int(cfg.data.shuffle_window),
+                int(t.batch_size),
+                int(a.trial_steps),
+                shuffle=bool(cfg.data.shuffle),
+                collate_fn=collate,
+                num_workers=int(cfg.data.num_workers),
+                shuffle_window=int(cfg.data.shuffle_window),
                 timeout_s=float(t.timeout_s),
-            )  # fmt: skip
+            )
             return measured.measure(
                 make_engine, strategy_of(full), splits.train, options, job, int(a.warmup_steps), catch=False
             )
@@ -200,8 +204,11 @@ def _device_memory_gb(accelerator: str, devices: int) -> float:
         with contextlib.suppress(OSError, subprocess.SubprocessError, ValueError):
             found = subprocess.run(
                 ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                capture_output=True, text=True, timeout=30, check=True,
-            ).stdout.split()  # fmt: skip
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=True,
+            ).stdout.split()
             return min(float(v) for v in found) * 2**20 / tune.GB  # MiB
     return device_memory_bytes(accelerator, 0, devices) / tune.GB
 

@@ -158,9 +158,14 @@ class _EpochData:
 
 
 def _cut_short(
-    host: Host, events: CallbackList, pending: list[Any], boundaries: int, skipped: int, log_freq: int,
+    host: Host,
+    events: CallbackList,
+    pending: list[Any],
+    boundaries: int,
+    skipped: int,
+    log_freq: int,
     speed: Speedometer | None,
-) -> None:  # fmt: skip
+) -> None:
     """A step the end of the data cut short (StopIteration): the optimizer steps it took count,
     the gradients of backward passes no step closed are dropped (the next epoch starts clean)."""
     host.runtime.discard_open_step()

@@ -143,9 +143,16 @@ def dataloader(
 
 
 def _stream_dataloader(
-    host: Host, data: Any, batch_size: int, mode: str, shuffle: bool, collate_fn: Callable | None,
-    num_workers: int, epochs: int, steps_per_epoch: int | None,
-) -> DeviceLoader:  # fmt: skip
+    host: Host,
+    data: Any,
+    batch_size: int,
+    mode: str,
+    shuffle: bool,
+    collate_fn: Callable | None,
+    num_workers: int,
+    epochs: int,
+    steps_per_epoch: int | None,
+) -> DeviceLoader:
     """`dataloader` over a stream: a training pass ends on every rank at the first batch one of
     them lacks; evaluation pads the ranks whose stream ended until every rank's has."""
     runtime, metrics = host.runtime, host.metrics.for_mode(mode)
@@ -163,14 +170,28 @@ def _stream_dataloader(
         per_rank = eval_split(runtime.mesh, batch_size)
     window = SHUFFLE_WINDOW if shuffle and train else 0
     loader = data_lib.stream_loader(
-        data, per_rank, runtime.dp_size, runtime.dp_rank, window, host.seed, collate_fn, num_workers,
+        data,
+        per_rank,
+        runtime.dp_size,
+        runtime.dp_rank,
+        window,
+        host.seed,
+        collate_fn,
+        num_workers,
         drop_last=train,
-    )  # fmt: skip
+    )
     host.prepare(mode, batch_size if train else None)
     return DeviceLoader(
-        loader, runtime.copier, epochs, steps_per_epoch, host.prefetch, batch_size,
-        on_epoch=lambda _: metrics.reset(), agree=runtime.process.all_ranks, pad=not train,
-    )  # fmt: skip
+        loader,
+        runtime.copier,
+        epochs,
+        steps_per_epoch,
+        host.prefetch,
+        batch_size,
+        on_epoch=lambda _: metrics.reset(),
+        agree=runtime.process.all_ranks,
+        pad=not train,
+    )
 
 
 def generator_loader(

@@ -44,15 +44,27 @@ def plan_fit(host: Host, train_data: Any, cfg: FitConfig) -> tuple[RunPlan, Any]
             )
         window = cfg.shuffle_window if cfg.shuffle else 0
         loader: Any = data_lib.stream_loader(
-            train_data, layout.micro_batch_size, runtime.dp_size, runtime.dp_rank, window, host.seed,
-            cfg.collate_fn, cfg.num_workers,
-        )  # fmt: skip
+            train_data,
+            layout.micro_batch_size,
+            runtime.dp_size,
+            runtime.dp_rank,
+            window,
+            host.seed,
+            cfg.collate_fn,
+            cfg.num_workers,
+        )
         budget = stream_budget(layout, cfg.epochs, cfg.steps_per_epoch, cfg.max_steps)
     else:
         loader = data_lib.train_loader(
-            train_data, layout.micro_batch_size, runtime.dp_size, runtime.dp_rank, cfg.shuffle, host.seed,
-            collate_fn=cfg.collate_fn, num_workers=cfg.num_workers,
-        )  # fmt: skip
+            train_data,
+            layout.micro_batch_size,
+            runtime.dp_size,
+            runtime.dp_rank,
+            cfg.shuffle,
+            host.seed,
+            collate_fn=cfg.collate_fn,
+            num_workers=cfg.num_workers,
+        )
         budget = step_budget(layout, len(loader), cfg.epochs, cfg.steps_per_epoch, cfg.max_steps)
     resume_from = checkpoint.resolve(cfg.resume, cfg.save_dir, runtime.process) if cfg.resume else None
     universal = resume_from is not None and checkpoint.needs_universal(resume_from, runtime.mesh)
@@ -219,9 +231,14 @@ def _fit_callbacks(
     manager = None
     if cfg.save_dir is not None:
         manager = checkpoint.CheckpointManager(
-            parts, cfg.save_dir, cfg.save_freq, cfg.keep_last_k, cfg.handle_preemption,
-            on_saved=lambda: events.fire(Event.CHECKPOINT_SAVED, host.state), grace_s=cfg.preemption_grace_s,
-        )  # fmt: skip
+            parts,
+            cfg.save_dir,
+            cfg.save_freq,
+            cfg.keep_last_k,
+            cfg.handle_preemption,
+            on_saved=lambda: events.fire(Event.CHECKPOINT_SAVED, host.state),
+            grace_s=cfg.preemption_grace_s,
+        )
         manager.last_saved_step = host.state.global_step if resumed else -1
         events.extend([manager])
     events.control = Control(

@@ -8,7 +8,9 @@ built here. What a run is and how it splits is computed once, here, and handed d
 * `run_plan`   `Mesh` (the one place the data-parallel degree is derived), `batch_layout` (the one
                place a global batch is split), `step_budget`, `RunPlan`;
 * `cost`       bytes of model states per rank under a strategy, the buffer sizes `auto` picks;
-* `tune`       autotune's layouts, what the cost model rules out, which measured one wins;
+* `layouts`    what a search is made of: `Layout`, `Trial`, `ModelFacts`;
+* `tune`       autotune's search: the candidate layouts, what the cost model rules out, which
+               measured one wins;
 * `paper`      autotune on paper: layouts for a cluster that is not here, by the cost model alone.
 """
 

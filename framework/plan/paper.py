@@ -28,9 +28,14 @@ def paper_cost(layout: Layout) -> float:
 
 
 def on_paper(
-    base: Strategy, facts: ModelFacts, devices: int, memory_gb: float, margin: float, global_batch: int,
+    base: Strategy,
+    facts: ModelFacts,
+    devices: int,
+    memory_gb: float,
+    margin: float,
+    global_batch: int,
     space: Iterable[str] = ("stage", "offload", "tensor_parallel"),
-) -> list[Trial]:  # fmt: skip
+) -> list[Trial]:
     """The layouts of `space` for `devices` ranks of `memory_gb` each, ranked by the cost model
     alone: those that fit first, then by `paper_cost`, then the simpler. Micro-batch and recompute
     change activations, which the cost model leaves out: they are tuned by measuring."""

@@ -43,11 +43,22 @@ def pairs_args(t, *extra: str) -> list[str]:
     """LoRA (no dropout) on the tiny Llama over all 8 pairs per step, SGD, every step logged; the
     tokenizer is the model directory's (data.dataset.tokenizer left unset)."""
     return [
-        "model=hf_causal_lm", f"model.path={t.model_dir}", "data=hf_preference",
-        f"data.dataset.data_files={t.pairs}", "data.dataset.val_fraction=0", "+adapter=lora",
-        "adapter.dropout=0", "optimizer=sgd", "optimizer.lr=0.5", "scheduler=constant", "metrics=none",
-        "trainer.log_freq=1", "trainer.batch_size=8", "trainer.epochs=3", *extra,
-    ]  # fmt: skip
+        "model=hf_causal_lm",
+        f"model.path={t.model_dir}",
+        "data=hf_preference",
+        f"data.dataset.data_files={t.pairs}",
+        "data.dataset.val_fraction=0",
+        "+adapter=lora",
+        "adapter.dropout=0",
+        "optimizer=sgd",
+        "optimizer.lr=0.5",
+        "scheduler=constant",
+        "metrics=none",
+        "trainer.log_freq=1",
+        "trainer.batch_size=8",
+        "trainer.epochs=3",
+        *extra,
+    ]
 
 
 ZERO3_X2 = ["+strategy=zero3", "trainer.devices=2"]
@@ -58,18 +69,37 @@ def runs(tiny):
     """The command-line runs the tests below read, two at a time."""
     t = tiny
     jobs = {
-        "dpo": pairs_args(t, "+objective=dpo", "objective.precompute_reference=true", "trainer.batch_size=4",
-                          "trainer.epochs=2", *ZERO3_X2),
-        "simpo_zero3": pairs_args(t, "+objective=simpo", "objective.beta=2.0", "objective.gamma=0.5", *ZERO3_X2),
+        "dpo": pairs_args(
+            t,
+            "+objective=dpo",
+            "objective.precompute_reference=true",
+            "trainer.batch_size=4",
+            "trainer.epochs=2",
+            *ZERO3_X2,
+        ),
+        "simpo_zero3": pairs_args(
+            t, "+objective=simpo", "objective.beta=2.0", "objective.gamma=0.5", *ZERO3_X2
+        ),
         "simpo_zero0": pairs_args(t, "+objective=simpo", "objective.beta=2.0", "objective.gamma=0.5"),
         "orpo_zero3": pairs_args(t, "+objective=orpo", "objective.beta=0.1", "trainer.epochs=1", *ZERO3_X2),
         "custom": [
-            "model=hf_causal_lm", f"model.path={t.model_dir}", "data=hf_chat", f"data.dataset.data_files={t.chat}",
-            "data.dataset.val_fraction=0", "+objective=custom", "objective.name=examples.methods.smoothed_sft.SmoothedSFT",
-            "+objective.epsilon=0.1", "optimizer=sgd", "optimizer.lr=0.1", "scheduler=constant", "metrics=none",
-            "trainer.batch_size=4", "trainer.max_steps=2", "trainer.log_freq=1",
+            "model=hf_causal_lm",
+            f"model.path={t.model_dir}",
+            "data=hf_chat",
+            f"data.dataset.data_files={t.chat}",
+            "data.dataset.val_fraction=0",
+            "+objective=custom",
+            "objective.name=examples.methods.smoothed_sft.SmoothedSFT",
+            "+objective.epsilon=0.1",
+            "optimizer=sgd",
+            "optimizer.lr=0.1",
+            "scheduler=constant",
+            "metrics=none",
+            "trainer.batch_size=4",
+            "trainer.max_steps=2",
+            "trainer.log_freq=1",
         ],
-    }  # fmt: skip
+    }
     with ThreadPoolExecutor(2) as pool:
         started = {name: pool.submit(run_train, args, t.root / name, 300) for name, args in jobs.items()}
         done = {name: future.result() for name, future in started.items()}
@@ -157,9 +187,12 @@ def test_the_same_run_from_python_objects_logs_the_clis_losses(tiny, runs):
     seed_everything(0)
     data = hf_preference(str(tiny.pairs), tokenizer=str(tiny.model_dir), val_fraction=0)
     engine = Engine(
-        causal_lm(path=str(tiny.model_dir)), optimizer=functools.partial(torch.optim.SGD, lr=0.5, momentum=0.9),
-        train_step=SimPO(beta=2.0, gamma=0.5), adapter=AdapterConfig(dropout=0.0), callbacks=[Logged()],
-    )  # fmt: skip
+        causal_lm(path=str(tiny.model_dir)),
+        optimizer=functools.partial(torch.optim.SGD, lr=0.5, momentum=0.9),
+        train_step=SimPO(beta=2.0, gamma=0.5),
+        adapter=AdapterConfig(dropout=0.0),
+        callbacks=[Logged()],
+    )
     with engine:
         engine.fit(data.train, batch_size=8, epochs=3, log_freq=1, collate_fn=data.collate_fn, progress=False)
     cli = [r["loss"] for r in step_records(runs.simpo_zero0)]
@@ -180,19 +213,38 @@ def test_a_method_of_the_users_own_is_selected_by_its_import_path(runs):
 # one here fails `test_every_field_of_every_options_dataclass_is_walked`.
 VALUES: dict[type, dict[str, object]] = {
     LoopConfig: {
-        "epochs": 3, "max_steps": 7, "steps_per_epoch": 5, "batch_size": 32, "valid_batch_size": 16,
-        "valid_steps": 2, "valid_freq": 2, "valid_at_start": True, "log_freq": 3, "timeout_s": 60.0,
-        "resume": "auto", "peak_tflops": 1.5,
+        "epochs": 3,
+        "max_steps": 7,
+        "steps_per_epoch": 5,
+        "batch_size": 32,
+        "valid_batch_size": 16,
+        "valid_steps": 2,
+        "valid_freq": 2,
+        "valid_at_start": True,
+        "log_freq": 3,
+        "timeout_s": 60.0,
+        "resume": "auto",
+        "peak_tflops": 1.5,
     },
-    LoaderConfig: {"shuffle": False, "shuffle_window": 10, "num_workers": 1,
-                   "collate_fn": {"_target_": "framework.data.datasets.text_classification.PadCollator"}},
+    LoaderConfig: {
+        "shuffle": False,
+        "shuffle_window": 10,
+        "num_workers": 1,
+        "collate_fn": {"_target_": "framework.data.datasets.text_classification.PadCollator"},
+    },
     SaveConfig: {"save_freq": 4, "keep_last_k": 1},
-    AdapterConfig: {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj"], "modules_to_save": ["lm_head"],
-                    "use_dora": True},
+    AdapterConfig: {
+        "r": 4,
+        "alpha": 8,
+        "dropout": 0.0,
+        "target_modules": ["q_proj"],
+        "modules_to_save": ["lm_head"],
+        "use_dora": True,
+    },
     DPO.Config: {"beta": 0.3, "loss_type": "ipo", "label_smoothing": 0.2, "precompute_reference": True},
     SimPO.Config: {"beta": 1.0, "gamma": 1.0},
     ORPO.Config: {"beta": 0.5},
-}  # fmt: skip
+}
 NODE = {
     LoopConfig: "trainer",
     LoaderConfig: "data",
