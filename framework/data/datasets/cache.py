@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from framework.data.datasets.counted import say
-from framework.data.datasets.sources import first_row, rows
+from framework.data.datasets.sources import builder_of, first_row, rows
 from framework.errors import ConfigError
 from framework.integrations.hf import transformers_version
 from framework.process.environment import env_rank
@@ -116,7 +116,8 @@ def encode_files(
         say(encoder.read_as(*first_row(path, builder), path))
         entry = None
         if directory is not None:
-            entry = directory / f"{path.stem[:40]}-{file_digest(path)[:24]}-{encoder.fingerprint()[:24]}.npz"
+            key = fingerprint(file_digest(path), builder_of(path, builder), encoder.fingerprint())
+            entry = directory / f"{path.stem[:40]}-{key[:32]}.npz"
         hit = _load(entry)
         if hit is not None:
             encoder.add(hit[1])
@@ -154,7 +155,8 @@ class _Quiet:
 
 @contextlib.contextmanager
 def _progress(path: Path) -> Iterator[Any]:
-    """A bar over the file's bytes, shown once rendering takes `PROGRESS_AFTER_S` (rank 0)."""
+    """A bar over the file's bytes, shown once rendering takes `PROGRESS_AFTER_S` (rank 0);
+    redrawn every 15 s where stderr is a file, not a terminal (a log keeps few lines of it)."""
     if env_rank() != 0:
         yield _Quiet()
         return
@@ -168,6 +170,7 @@ def _progress(path: Path) -> Iterator[Any]:
         file=sys.stderr,
         desc=f"data: rendering {path.name}",
         dynamic_ncols=True,
+        mininterval=0.5 if sys.stderr.isatty() else 15.0,
     )
     try:
         yield bar
