@@ -66,7 +66,11 @@ def test_a_template_without_generation_markers_gives_the_same_labels(chat, capsy
         rows(hf_chat(chat.file, tokenizer=chat.marked, chat_template=chat_template(False), val_fraction=0))
         == marked
     )
-    assert capsys.readouterr().out == ""  # nothing cut, nothing dropped: nothing said
+    # nothing cut, nothing dropped: only the format is said
+    assert (
+        capsys.readouterr().out.splitlines()
+        == [f"data: chat messages (messages: role/content) in {chat.file}"] * 3
+    )
 
 
 def test_train_on_prompt_labels_every_token(chat):
@@ -92,6 +96,7 @@ def test_conversations_left_with_nothing_to_learn_are_counted_and_dropped(chat, 
     longer = sum(len(ids) > 48 for ids, _ in full)
     assert cut == 48 * longer and longer > 0
     assert out == [
+        f"data: chat messages (messages: role/content) in {path}",
         f"data: {longer + 1} of 10 conversations cut to max_length=48 tokens (data.dataset.max_length to change)",
         "data: 2 of 10 conversations dropped: no assistant token within max_length=48 (cut before the first, "
         "or no assistant turn); data.dataset.max_length to change",
@@ -103,7 +108,7 @@ def test_conversations_left_with_nothing_to_learn_are_counted_and_dropped(chat, 
         str(path), tokenizer=chat.marked, val_fraction=0, max_length=48, streaming=True, shards=1
     )
     assert len(list(Reader(streamed.train, 0, 1, 0, {}))) == len(CONVERSATIONS)
-    said = [line.split(":")[1] for line in capsys.readouterr().out.splitlines()]
+    said = [line.split(":")[1] for line in capsys.readouterr().out.splitlines() if "dropped" in line]
     assert said == [" 1 of 9 conversations read so far dropped", " 2 of 10 conversations read so far dropped"]
 
 

@@ -123,6 +123,57 @@ def tiny_chat_tokenizer(
     return fast
 
 
+IM_START, IM_END, NEWLINE = "<|im_start|>", "<|im_end|>", "\n"
+
+
+def chatml_template(generation_markers: bool = True) -> str:
+    """ChatML (Qwen's): `<|im_start|>role\ncontent<|im_end|>\n` per turn; `generation_markers`
+    wraps an assistant's content and `<|im_end|>` in `{% generation %}`, leaving the newline after
+    it out, as ChatML templates with markers do."""
+    assistant = "{{ message['content'] }}" + IM_END
+    if generation_markers:
+        assistant = "{% generation %}" + assistant + "{% endgeneration %}"
+    newline = "{{ '\\n' }}"  # an expression: transformers' trim_blocks would eat a literal one after a tag
+    return (
+        "{% for message in messages %}"
+        + IM_START
+        + "{{ message['role'] }}"
+        + newline
+        + "{% if message['role'] == 'assistant' %}"
+        + assistant
+        + newline
+        + "{% else %}{{ message['content'] }}"
+        + IM_END
+        + newline
+        + "{% endif %}{% endfor %}"
+        + "{% if add_generation_prompt %}"
+        + IM_START
+        + "assistant"
+        + newline
+        + "{% endif %}"
+    )
+
+
+def tiny_chatml_tokenizer(generation_markers: bool = True) -> Any:
+    """The word-level tokenizer of `tiny_chat_tokenizer` with ChatML's special tokens (EOS
+    `<|im_end|>`), the newline a token of its own, and `chatml_template`."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordLevel(unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(
+        _words(CONVERSATIONS), trainers.WordLevelTrainer(special_tokens=[PAD, UNK, IM_START, IM_END])
+    )
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=IM_END, pad_token=PAD, unk_token=UNK
+    )
+    fast.add_special_tokens({"additional_special_tokens": [IM_START]})
+    fast.add_tokens([NEWLINE])
+    fast.chat_template = chatml_template(generation_markers)
+    return fast
+
+
 def tiny_llama(tokenizer: Any, seed: int = 0, hidden_size: int = 32, layers: int = 2) -> Any:
     """A random `LlamaForCausalLM` (fp32, sdpa attention) sized to the tokenizer."""
     import torch

@@ -63,9 +63,8 @@ def trl_batch(tmp_path_factory):
     trainer.loss_types = ["ipo"]  # the same trainer, its loss switched to IPO
     ipo_loss = trainer.compute_loss(trainer.model, batch).item()
     model_dir = write_tiny_llama(tmp / "llama")
-    ours = hf_preference(
-        str(write_pairs_jsonl(tmp / "pairs.jsonl")), tokenizer=str(model_dir), val_fraction=0
-    )
+    pairs_file = write_pairs_jsonl(tmp / "pairs.jsonl", rows)  # as TRL gets them: chat messages
+    ours = hf_preference(str(pairs_file), tokenizer=str(model_dir), val_fraction=0)
     return SimpleNamespace(
         policy=policy,
         reference=reference,
@@ -74,6 +73,7 @@ def trl_batch(tmp_path_factory):
         ipo_loss=ipo_loss,
         metrics=metrics,
         ours=ours,
+        pairs_file=str(pairs_file),
     )
 
 
@@ -217,8 +217,7 @@ def test_a_pair_cut_away_is_dropped_and_counted(tmp_path, capsys):
 
 def test_a_pairs_stream_gives_the_map_style_rows(trl_batch, tmp_path):
     model_dir = write_tiny_llama(tmp_path / "llama")
-    path = str(write_pairs_jsonl(tmp_path / "pairs.jsonl"))
-    streamed = hf_preference(path, tokenizer=str(model_dir), streaming=True, shards=1)
+    streamed = hf_preference(trl_batch.pairs_file, tokenizer=str(model_dir), streaming=True, shards=1)
     got = [item for item, _, _ in Reader(streamed.train, 0, 1, 0, {})]
     assert streamed.valid is None and len(got) == len(trl_batch.ours.train) == 8
     for item, row in zip(got, trl_batch.ours.train):

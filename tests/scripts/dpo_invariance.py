@@ -36,7 +36,17 @@ out_dir.mkdir(parents=True, exist_ok=True)
 GLOBAL, LR, STEPS, BETA = 8, 0.5, 2, 0.5
 tok = tiny_chat_tokenizer()
 encoder = PairEncoder(tok, 256, ("prompt", "chosen", "rejected"))
-pairs = [encoder.encode(p, f"pair {i}") for i, p in enumerate(PAIRS)]
+# As chat messages (the rows this script was written with): on pairs of plain text the first
+# step's rewards, where the policy is its reference, are ~1e-7 of rounding apart between the
+# precomputed reference (batches of 4) and the step (a batch of 8), which flips rewards/accuracy.
+AS_MESSAGES = [
+    {
+        k: [{"role": "user" if k == "prompt" else "assistant", "content": v}] if isinstance(v, str) else v
+        for k, v in p.items()
+    }
+    for p in PAIRS
+]
+pairs = [encoder.encode(p, f"pair {i}") for i, p in enumerate(AS_MESSAGES)]
 collate = PairCollator(tok.pad_token_id)
 base = tiny_llama(tok, seed=0)
 
