@@ -16,6 +16,7 @@ Rule: imports `framework.errors`, `framework.process`, `framework.integrations`,
                       checkpointing, offload and device placement, ZeRO-3's trace;
 * `parallel`, `sequence_parallel`, `expert_parallel`: TP / SP / EP wiring (AutoTP, Ulysses, AutoEP);
 * `weights`           whole weights in and out of a partitioned model;
+* `generation`        the trained model whole for a rollout (ZeRO-3: gathered once, hooks off);
 * `checkpoint_files`  DeepSpeed's own checkpoint readers (zero_to_fp32, universal conversion);
 * `estimate`          per-rank model-state bytes under the mesh, and DeepSpeed's estimators.
 """

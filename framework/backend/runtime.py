@@ -20,6 +20,7 @@ from torch import nn
 from framework.backend import (
     deepspeed_globals,
     expert_parallel,
+    generation,
     parallel,
     zero3_trace,
 )
@@ -314,3 +315,18 @@ class Runtime(RuntimeState):
         zero3_trace.keep_release_plans_fresh(module, engine)
         engine.eval()
         return engine
+
+    @contextlib.contextmanager
+    def generating(self) -> Iterator[nn.Module]:
+        """The trained module in evaluation mode with all its weights on this rank, for a rollout
+        (`framework.backend.generation`: under ZeRO-3 gathered once, not per new token); the
+        mode it had, and its partitions, come back when the block ends. Collective under ZeRO-3:
+        every rank enters it."""
+        assert self.module is not None
+        was_training = self.training
+        self.train(False)
+        try:
+            with generation.whole(self.module, self.deepspeed_engine, self._is_zero3()) as module:
+                yield module
+        finally:
+            self.train(was_training)

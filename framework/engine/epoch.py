@@ -257,6 +257,8 @@ def _after_step(
                 st.epoch_loss.add(loss, st.global_step)
         pending.clear()
     st.log_now = st.global_step > applied_before and st.global_step % max(1, log_freq) == 0
+    read_samples = getattr(host.train_step_fn, "step_samples", None)
+    st.samples = read_samples() if callable(read_samples) else []
     st.logs = {"batches": st.batches_in_epoch, "lr": runtime.lr}
     if st.log_now:
         st.logs["loss"] = _reduced_window_loss(st, runtime.process)

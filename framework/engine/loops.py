@@ -8,6 +8,7 @@ step really consumed. Losses stay on the device; they are read at logging points
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -32,11 +33,35 @@ from framework.observe.throughput import Speedometer
 from framework.plan.run_plan import Budget, RunPlan, step_budget, stream_budget, warmup_note
 
 
+def rows_per_batch(host: Host, batch_size: int) -> int:
+    """The data rows of a global batch of `batch_size`: the same, unless the training step counts
+    its batch in other units (a method's `rows_per_batch`: GRPO's batch counts completions, G per
+    prompt row)."""
+    rows = getattr(host.train_step_fn, "rows_per_batch", None)
+    return int(rows(batch_size)) if callable(rows) else batch_size
+
+
+def _with_updates(budget: Budget, host: Host) -> Budget:
+    """The budget of a step that takes several optimizer steps per global batch of data (a
+    method's `updates_per_batch`: GRPO's num_iterations)."""
+    updates = getattr(host.train_step_fn, "updates_per_batch", None)
+    times = int(updates()) if callable(updates) else 1
+    if times == 1:
+        return budget
+    per_epoch = None if budget.steps_per_epoch is None else budget.steps_per_epoch * times
+    total = (
+        budget.total_steps * times
+        if budget.max_steps is None
+        else min(budget.total_steps * times, budget.max_steps)
+    )
+    return dataclasses.replace(budget, steps_per_epoch=per_epoch, total_steps=total)
+
+
 def plan_fit(host: Host, train_data: Any, cfg: FitConfig) -> tuple[RunPlan, Any]:
     """The run's plan (every number, before DeepSpeed is built) and this rank's loader."""
     runtime = host.runtime
     runtime.start()
-    layout = runtime.fix_layout(cfg.batch_size)
+    layout = runtime.fix_layout(rows_per_batch(host, cfg.batch_size))
     if is_stream(train_data):  # iterable data: the budget comes from max_steps (or steps_per_epoch)
         if runtime.strategy.uses_pipeline:
             raise ConfigError(
@@ -66,6 +91,7 @@ def plan_fit(host: Host, train_data: Any, cfg: FitConfig) -> tuple[RunPlan, Any]
             num_workers=cfg.num_workers,
         )
         budget = step_budget(layout, len(loader), cfg.epochs, cfg.steps_per_epoch, cfg.max_steps)
+    budget = _with_updates(budget, host)
     resume_from = checkpoint.resolve(cfg.resume, cfg.save_dir, runtime.process) if cfg.resume else None
     universal = resume_from is not None and checkpoint.needs_universal(resume_from, runtime.mesh)
     dtype = str(runtime.compute_dtype).removeprefix("torch.")
@@ -85,7 +111,7 @@ def fit(
     if not runtime.ready:
         runtime.load_universal = plan.load_universal
     host.schedule(plan.budget.total_steps)  # before prepare: a first build gets the budget at once
-    host.prepare("train", cfg.batch_size)
+    host.prepare("train", rows_per_batch(host, cfg.batch_size))
     prepared = _method_data(host, cfg, train_data, valid_data)  # before a resume loads the policy
     if prepared[0] is not train_data:
         plan, loader = plan_fit(host, prepared[0], cfg)
@@ -127,7 +153,7 @@ def _method_data(host: Host, cfg: FitConfig, train_data: Any, valid_data: Any) -
     prepare = getattr(host.train_step_fn, "prepare_data", None)
     if not callable(prepare):
         return train_data, valid_data
-    chunk = max(1, cfg.batch_size // host.runtime.dp_size)
+    chunk = max(1, rows_per_batch(host, cfg.batch_size) // host.runtime.dp_size)
     collate = cfg.collate_fn or default_collate
     train = prepare(host, train_data, chunk, collate)
     valid = prepare(host, valid_data, chunk, collate) if valid_data is not None else None
@@ -259,7 +285,7 @@ def _validate(
 ) -> dict[str, Any]:
     """Evaluate, fire VALIDATION_END with the val_* values in the logs, and return them."""
     host.prepare("eval")
-    batch_size = cfg.valid_batch_size or cfg.batch_size
+    batch_size = rows_per_batch(host, cfg.valid_batch_size or cfg.batch_size)
     val = {
         f"val_{k}": v
         for k, v in evaluate(host, valid_data, batch_size, cfg.valid_steps, cfg.collate_fn).items()

@@ -9,7 +9,10 @@
 * `pairs`       what preference methods share: pairs batches, TRL's pair metrics;
 * `reference`   a frozen reference policy (adapters off, or a copy partitioned like the policy);
 * `precompute`  reference log-probabilities computed once, kept with the data;
-* `sft`, `dpo`, `simpo`, `orpo`: one method each (`name`: `+objective=NAME`).
+* `rewards`     reward functions of online methods (TRL's signature), checked where they run;
+* `rollout`     sampling completions behind one interface, exact per completion; advantages;
+* `scoring`     one rollout scored over every rank: rewards, advantages, the step's metrics;
+* `sft`, `dpo`, `simpo`, `orpo`, `grpo`: one method each (`name`: `+objective=NAME`).
 
 A method of the user's own is a `Method` subclass in the user's module, named by its import
 path (`+objective=custom objective.name=my_pkg.ToyLoss`) or handed to the Engine as it is.

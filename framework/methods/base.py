@@ -3,6 +3,7 @@
 A method is a training step with a name and an options dataclass:
 
     step(engine, batch) -> loss              or, with `items`: step(engine, batch, weight) -> loss
+    step(engine, dataloader_iter) -> {"loss"}    a step that pulls its batches and steps itself (GRPO)
 
 and what the loop calls on it when it is there (the `Method` base class gives each a default):
 
@@ -16,10 +17,15 @@ and what the loop calls on it when it is there (the `Method` base class gives ea
 * `items(batch) -> Tensor | None`: what the loss averages over, counted over the whole global
   batch by the framework before the step (`framework.engine.items`); the step then gets
   `weight`, its micro-batch's share, so that a token mean is exact on every layout;
+* `rows_per_batch(batch_size) -> rows`: how many data rows a global batch of `batch_size` holds,
+  when the method counts its batch in other units (GRPO: completions, G per prompt row);
+* `updates_per_batch() -> n`: optimizer steps a step call takes per global batch (GRPO's
+  `num_iterations`), so the run's plan counts them;
 * `eval_step(engine, batch) -> loss`: validation (an Engine given the method evaluates with it);
 * `step_logs(device)` / `eval_logs(device)`: metrics since the last logging point / of a
   validation, under TRL's names (collective: every rank calls them);
-* `step_state()` / `load_step_state(states, device)`: what a checkpoint keeps of them.
+* `step_state()` / `load_step_state(states, device)`: what a checkpoint keeps of them;
+* `step_samples() -> records`: what a step sampled, for the run's completions file (GRPO).
 
 Methods register by being a subclass with a `name`, in a module of `framework.methods`; a
 method of the user's own is found by its import path (`my_pkg.methods.ToyLoss`).

@@ -62,15 +62,17 @@ class Meter:
         self.names = names
         self.sums: torch.Tensor | None = None  # [2, len(names)]: totals, counts
 
-    def add(self, values: dict[str, tuple[torch.Tensor, Any]]) -> None:
-        """Add `{name: (total, count)}` for every name of the meter."""
-        totals = torch.stack([values[name][0].detach().double().reshape(()) for name in self.names])
-        counts = torch.stack(
-            [
-                torch.as_tensor(values[name][1], dtype=torch.float64, device=totals.device).reshape(())
-                for name in self.names
-            ]
-        )
+    def add(self, values: dict[str, tuple[Any, Any]]) -> None:
+        """Add `{name: (total, count)}` for some of the meter's names (the others: nothing)."""
+        device = next((v[0].device for v in values.values() if isinstance(v[0], torch.Tensor)), None)
+        nothing = (0.0, 0.0)
+
+        def as_scalar(value: Any) -> torch.Tensor:
+            value = value.detach() if isinstance(value, torch.Tensor) else value
+            return torch.as_tensor(value, dtype=torch.float64, device=device).reshape(())
+
+        totals = torch.stack([as_scalar(values.get(name, nothing)[0]) for name in self.names])
+        counts = torch.stack([as_scalar(values.get(name, nothing)[1]) for name in self.names])
         row = torch.stack([totals, counts])
         self.sums = row if self.sums is None else self.sums + row
 

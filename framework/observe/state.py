@@ -124,6 +124,8 @@ class LoopState:
     records_written: int = 0  # metrics.jsonl lines so far (a resumed run keeps exactly these)
     logs: dict[str, Any] = field(default_factory=dict)
     log_now: bool = False  # this step's logs are a logging point (loss reduced over ranks)
+    # what the training step sampled this step, for the completions file (a method's step_samples)
+    samples: list[dict[str, Any]] = field(default_factory=list)
     history: dict[str, list[Any]] = field(default_factory=dict)
     stop_training: bool = False
     stop_reason: str = ""

@@ -92,15 +92,29 @@ def strategy_of(tree: dict[str, Any]) -> Strategy:
     return Strategy.from_config(tree["strategy"])
 
 
+def method_of(tree: dict[str, Any]) -> Any:
+    """The training method the `objective` node names (with its options), or None."""
+    if tree.get("objective") is None:
+        return None
+    node = dict(tree["objective"])
+    return options.made("objective", method_class(str(node.pop("name", ""))), node)
+
+
+def rows_of(method: Any, batch_size: int) -> int:
+    """The data rows of a global batch (a method may count its batch in other units: GRPO's
+    counts completions), the error naming `trainer.batch_size`."""
+    rows = getattr(method, "rows_per_batch", None)
+    return options.with_key("trainer.batch_size", rows, batch_size) if callable(rows) else batch_size
+
+
 def validate(config: Any, world_size: int) -> Strategy:
-    """Checks that need no process group (before workers start): schema, strategy, batch split
-    over `world_size`, a parallelism adapters do not support."""
+    """Checks that need no process group (before workers start): schema, strategy, the method's
+    options, batch split over `world_size`, a parallelism adapters do not support."""
     tree = tree_of(config)
     strategy = strategy_of(tree)
     mesh_of(strategy, world_size)  # degrees that do not divide the processes: the strategy's own error
-    options.with_key(
-        "trainer.batch_size", batch_layout, strategy, int(tree["trainer"]["batch_size"]), world_size
-    )
+    rows = rows_of(method_of(tree), int(tree["trainer"]["batch_size"]))
+    options.with_key("trainer.batch_size", batch_layout, strategy, rows, world_size)
     if tree.get("adapter") is not None:
         check_adapted(strategy)
     return strategy
@@ -126,7 +140,8 @@ def build(
     try:
         runtime = Runtime(strategy_of(tree), job)
         runtime.mesh  # noqa: B018  degrees that do not divide the processes: the strategy's own error
-        options.with_key("trainer.batch_size", runtime.fix_layout, int(t["batch_size"]))
+        method = method_of(tree)
+        options.with_key("trainer.batch_size", runtime.fix_layout, rows_of(method, int(t["batch_size"])))
         if launched():
             check_launched_devices(int(t["devices"]), job)
         out = Path(job.broadcast_object(str(output_dir or os.path.join("outputs", "run"))))
@@ -137,7 +152,7 @@ def build(
         if job.is_main:
             write_config(tree, out)
         context = {"output_dir": str(out), "run_config": tree, "group": group, "name": name}
-        run = _assemble(tree, runtime, out, context)
+        run = _assemble(tree, runtime, out, context, method)
     except BaseException:
         console.close()
         job.close(sync=False)
@@ -146,14 +161,14 @@ def build(
     return run
 
 
-def _assemble(tree: dict[str, Any], runtime: Runtime, out: Path, context: dict[str, Any]) -> Run:
+def _assemble(tree: dict[str, Any], runtime: Runtime, out: Path, context: dict[str, Any], method: Any) -> Run:
     """Data, callbacks, the engine and the fit options of a started run."""
     seed_everything(int(tree["trainer"]["seed"]))
     splits = as_splits(instantiate(tree["data"]["dataset"], "data.dataset"))
     valid = getattr(splits, "valid", None)
     monitor = options.monitor_of(tree, has_valid=valid is not None, say=runtime.process.is_main)
     callbacks = [] if tree["dry_run"] else options.callbacks_of(tree, out, context)
-    engine = build_engine(tree, runtime, callbacks)
+    engine = build_engine(tree, runtime, callbacks, method)
     hf.adopt(engine.module, splits)  # the tokenizer fits the model; class names into its config
     ckpt_dir = options.checkpoint_dir(tree, out)
     if tree["trainer"]["checkpoint"]["enabled"]:
@@ -162,16 +177,12 @@ def _assemble(tree: dict[str, Any], runtime: Runtime, out: Path, context: dict[s
     return Run(tree, engine, splits.train, valid, fit, out, monitor)
 
 
-def build_engine(tree: dict[str, Any], runtime: Runtime, callbacks: list[Any]) -> Engine:
-    """The model (built as the strategy says, adapted), its method and everything the Engine is
-    given, from the tree."""
+def build_engine(tree: dict[str, Any], runtime: Runtime, callbacks: list[Any], method: Any = None) -> Engine:
+    """The model (built as the strategy says, adapted), its method (`+objective=NAME`, in place of
+    `loss=`; `method`: made already) and everything the Engine is given, from the tree."""
     adapter = tree.get("adapter")
     model = build_model(tree["model"], runtime, AdapterConfig(**adapter) if adapter is not None else None)
-    method = None
-    if tree.get("objective") is not None:  # +objective=NAME: a training method in place of loss=
-        node = dict(tree["objective"])
-        cls = method_class(str(node.pop("name", "")))
-        method = options.made("objective", cls, node)
+    method = method if method is not None else method_of(tree)
     t, data = tree["trainer"], tree["data"]
     return Engine(
         model,

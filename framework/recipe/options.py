@@ -19,6 +19,7 @@ from framework.errors import ConfigError
 from framework.integrations import hf
 from framework.observe.callbacks import Callback
 from framework.observe.loggers import MetricsFile
+from framework.observe.samples import SamplesFile
 from framework.process import slurm
 from framework.recipe.outputs import RunFiles
 from framework.recipe.targets import instantiate, locate
@@ -127,7 +128,7 @@ def callbacks_of(tree: dict[str, Any], out: Path, context: dict[str, Any]) -> li
     found = [
         _with_context(node, f"logger.{k}", context) for k, node in tree["logger"].items() if node is not None
     ]
-    found += [MetricsFile(out / "metrics.jsonl"), RunFiles(out)]
+    found += [MetricsFile(out / "metrics.jsonl"), SamplesFile(out / "completions.jsonl"), RunFiles(out)]
     found += [
         _with_context(node, f"callbacks.{k}", context)
         for k, node in tree["callbacks"].items()

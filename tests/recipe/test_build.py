@@ -18,7 +18,8 @@ import torch
 from framework.engine.fit_config import LoaderConfig, LoopConfig, SaveConfig
 from framework.errors import ConfigError
 from framework.integrations.peft import AdapterConfig
-from framework.methods import DPO, ORPO, Method, SimPO, registered
+from framework.methods import DPO, GRPO, ORPO, Method, SimPO, registered
+from framework.methods.pairs import PairMethod
 from framework.recipe import tree_of
 from framework.recipe.options import fit_options, made
 from tests.conftest import ROOT, run_cmd, run_train, torchrun
@@ -244,6 +245,26 @@ VALUES: dict[type, dict[str, object]] = {
     DPO.Config: {"beta": 0.3, "loss_type": "ipo", "label_smoothing": 0.2, "precompute_reference": True},
     SimPO.Config: {"beta": 1.0, "gamma": 1.0},
     ORPO.Config: {"beta": 0.5},
+    GRPO.Config: {
+        "num_generations": 4,
+        "max_completion_length": 16,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 5,
+        "beta": 0.04,
+        "epsilon": 0.1,
+        "epsilon_high": 0.28,
+        "num_iterations": 2,
+        "loss_type": "grpo",
+        "scale_rewards": "batch",
+        "reward_funcs": ["examples.tiny_chat.rewards.meow_share"],
+        "reward_weights": [2.0],
+        "log_completions_every": 5,
+    },
+}
+# What a method needs besides the field under test (GRPO: a reward function).
+BASE: dict[type, dict[str, object]] = {
+    GRPO.Config: {"reward_funcs": ["examples.tiny_chat.rewards.meow_share"]}
 }
 NODE = {
     LoopConfig: "trainer",
@@ -296,10 +317,14 @@ def test_both_doors_give_every_field_to_the_same_object(compose, tmp_path, cls):
             api = cls(**{name: value}) if cls is not LoaderConfig or name != "collate_fn" else None
         else:
             method = _method_of(cls)
-            tree = tree_of(compose([f"+objective={method.name}", _override(f"objective.{name}", value)]))
+            base = {k: v for k, v in BASE.get(cls, {}).items() if k != name}
+            given = [_override(f"objective.{k}", v) for k, v in base.items()]
+            tree = tree_of(
+                compose([f"+objective={method.name}", *given, _override(f"objective.{name}", value)])
+            )
             node = {k: v for k, v in tree["objective"].items() if k != "name"}
             got = made("objective", method, node).config
-            api = method(**{name: value}).config
+            api = method(**{**base, name: value}).config
         seen = getattr(got, name)
         if name == "collate_fn":
             assert type(seen).__name__ == "PadCollator"
@@ -320,12 +345,16 @@ def _policy_and_batch():
     return SimpleNamespace(model=policy, module=policy, output_key=None, runtime=runtime), reference, batch
 
 
-@pytest.mark.parametrize(
-    "method", [m for m in registered().values() if dataclasses.fields(m.Config)], ids=lambda m: m.name
-)
+PAIR_METHODS = [
+    m for m in registered().values() if issubclass(m, PairMethod) and dataclasses.fields(m.Config)
+]
+
+
+@pytest.mark.parametrize("method", PAIR_METHODS, ids=lambda m: m.name)
 def test_every_method_option_changes_what_the_method_does(method):
     """No option is stored and ignored: each one, changed, changes the loss of a batch (or, for
-    `precompute_reference`, what the method does when an Engine takes it and when fit starts)."""
+    `precompute_reference`, what the method does when an Engine takes it and when fit starts).
+    GRPO's options, which act in its rollout, are walked in tests/methods/test_grpo.py."""
     host, reference, batch = _policy_and_batch()
 
     def loss(**options):
