@@ -29,6 +29,12 @@ SLOW = "+callbacks.slow={_target_:tests.helpers.SlowDown,seconds:0.08}"
 TWO_BATCH = "step={_target_:examples.iterator_step.two_batch_step,_partial_:true}"
 
 
+GRPO = [
+    "experiment=grpo_tiny",
+    "trainer.batch_size=16",
+    "trainer.max_steps=14",
+    "objective.log_completions_every=4",
+]
 TIMING = ("samples_per_s", "tokens_per_s", "mfu")  # measured, not computed: they differ run to run
 
 
@@ -79,6 +85,12 @@ CASES = {
     # every 3 steps, so the checkpoint at step 5 holds a window of rewards (steps 4-5) to resume.
     # A resumed run counts the FLOPs of its own first step: counting must not move a bit of it
     "dpo-lora": ["experiment=dpo_lora", "trainer.devices=1", "trainer.batch_size=1", "trainer.log_freq=3"],
+    # GRPO, ZeRO-3 on 2 processes: completions sampled from generators seeded by (seed, step, index),
+    # so the steps after the resume sample what the uninterrupted run sampled; with LoRA (dropout on:
+    # its masks are drawn in the updates) and without (full fine-tuning). A sample of completions
+    # every 4 steps: the file is cut back to the checkpoint and goes on.
+    "grpo-lora-zero3": [*GRPO, "+adapter=lora", "adapter.dropout=0.1"],
+    "grpo-zero3": GRPO,
 }
 COMMON = {
     "trainer.epochs": 2,
@@ -108,6 +120,9 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, case):
         assert torch.equal(a[key], b[key]), f"{key} differs after resuming (killed at step {reached})"
     if case == "dpo-lora":  # the rewards of training's window and of validation's pairs
         assert {"rewards/margins", "val_rewards/margins"} <= set().union(*records(killed_dir))
+    if case.startswith("grpo"):  # the same completions and rewards, sampled after the resume too
+        samples = (killed_dir / "completions.jsonl").read_text()
+        assert samples == (tmp_path / "full" / "completions.jsonl").read_text() and '"step": 12' in samples
     assert records(killed_dir) == records(tmp_path / "full")  # every logged loss and metric, merged
 
 

@@ -46,3 +46,29 @@ def write_prompts_jsonl(path: str | Path, prompts: list[dict[str, Any]] | None =
     path = Path(path)
     path.write_text("".join(json.dumps(row) + "\n" for row in (prompts if prompts is not None else PROMPTS)))
     return path
+
+
+def cat_words(prompts: list[Any], completions: list[Any], **columns: Any) -> list[float]:
+    """A dense rule reward of the tests' own: the share of a completion's words that are "cat" or
+    "cats"."""
+    out = []
+    for completion in completions:
+        text = completion if isinstance(completion, str) else completion[0]["content"]
+        words = text.split()
+        out.append(sum(w in ("cat", "cats") for w in words) / len(words) if words else 0.0)
+    return out
+
+
+def raises(prompts: list[Any], completions: list[Any], **columns: Any) -> list[float]:
+    """A reward function with a bug."""
+    raise KeyError("solution")
+
+
+def too_few(prompts: list[Any], completions: list[Any], **columns: Any) -> list[float]:
+    """A reward function that forgets a completion."""
+    return [0.0] * (len(completions) - 1)
+
+
+def not_a_number(prompts: list[Any], completions: list[Any], **columns: Any) -> list[Any]:
+    """A reward function that returns text."""
+    return ["good"] * len(completions)
