@@ -181,7 +181,7 @@ def _epoch_logs(host: Host, pending: list[Any]) -> dict[str, Any]:
     for loss in pending:  # an accumulation the epoch ended in the middle of
         st.window_loss.add(loss, st.global_step)
         st.epoch_loss.add(loss, st.global_step)
-    _reduced_window_loss(st, host.runtime.process)
+    _reduced_window_loss(st, host.runtime.process, keep=True)  # the next record's window goes on
     mean = host.runtime.process.all_reduce_mean
     logs: dict[str, Any] = {"loss": mean(st.epoch_loss.mean()), "lr": host.runtime.lr}
     logs.update(host.metrics.train.compute())
@@ -279,12 +279,14 @@ def _objective_logs(host: Host) -> dict[str, Any]:
     return read(host.runtime.process.collective_device) if callable(read) else {}
 
 
-def _reduced_window_loss(st: LoopState, process: ProcessContext) -> float:
-    """The mean loss since the last logging point over all ranks (one device read); NaN/inf
-    there raises NonFiniteLoss on every rank, naming the first step it appeared at."""
+def _reduced_window_loss(st: LoopState, process: ProcessContext, keep: bool = False) -> float:
+    """The mean loss since the last logging point over all ranks (one device read), across epoch
+    ends, as HF and TRL log it (`keep`: the window goes on, at an epoch's end); NaN/inf there
+    raises NonFiniteLoss on every rank, naming the first step it appeared at."""
     bad = st.first_bad_loss()
     value = process.all_reduce_mean(st.window_loss.mean())
-    st.window_loss.reset()
+    if not keep:
+        st.window_loss.reset()
     if bad is not None or not math.isfinite(value):
         step = process.all_reduce_min(bad[0] if bad else st.global_step)
         raise st.non_finite_error(step, bad[1] if bad else value)

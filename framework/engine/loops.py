@@ -210,6 +210,7 @@ def _no_step(loader: Any, cfg: FitConfig) -> str:
 def _start_run(host: Host, cfg: FitConfig, plan: RunPlan, has_valid: bool = False) -> None:
     runtime, st = host.runtime, host.state
     st.epochs, st.max_steps, st.global_batch_size = cfg.epochs, cfg.max_steps, cfg.batch_size
+    st.window_loss.reset()  # a fit's first record covers its own steps (a resume loads its window after)
     st.batches_per_epoch, st.history, st.stop_training, st.stop_reason = (
         plan.budget.batches_per_epoch,
         {},

@@ -159,10 +159,10 @@ class LoopState:
         )
 
     def start_epoch(self) -> None:
-        """Zero the per-epoch counters."""
+        """Zero the per-epoch counters (the logging window goes on: a record covers the steps
+        since the previous record, across epoch ends)."""
         self.batches_in_epoch = self.step_calls = self.steps_in_epoch = 0
         self.epoch_loss.reset()
-        self.window_loss.reset()
 
     def state_dict(self) -> dict[str, Any]:
         """The counters, history, loss sums and loader position, as plain data."""

@@ -486,3 +486,30 @@ def test_a_first_python_api_fit_warns_nothing_and_prints_no_mfu_hint_on_a_cpu(ca
     hidden = (DeprecationWarning, PendingDeprecationWarning)  # Python shows these only in __main__
     assert [str(w.message) for w in caught if not issubclass(w.category, hidden)] == []
     assert "peak_tflops" not in capsys.readouterr().out
+
+
+class LoggedLosses(Callback):
+    """The `loss` of every logged record, by step."""
+
+    def __init__(self) -> None:
+        self.losses: dict[int, float] = {}
+
+    def on_step_end(self, state):
+        if state.log_now:
+            self.losses[state.global_step] = state.logs["loss"]
+
+
+def test_a_record_covers_the_steps_since_the_previous_one_across_epoch_ends():
+    """2 optimizer steps per epoch, a record every 3 steps: each record's loss is the mean of the
+    3 per-step losses of a log_freq=1 run over the same steps, across the epoch ends between them,
+    as HF and TRL log it (it restarted at every epoch's end)."""
+    data = synthetic(num_samples=40)  # 32 training samples, batch 16: 2 steps an epoch
+    every, each = LoggedLosses(), LoggedLosses()
+    with engine(callbacks=[every]) as one:
+        one.fit(data.train, epochs=6, batch_size=BATCH, log_freq=1, shuffle=False, progress=False)
+    with engine(callbacks=[each]) as three:
+        three.fit(data.train, epochs=6, batch_size=BATCH, log_freq=3, shuffle=False, progress=False)
+    assert sorted(each.losses) == [3, 6, 9, 12]
+    for step, loss in each.losses.items():
+        want = sum(every.losses[s] for s in range(step - 2, step + 1)) / 3
+        assert loss == pytest.approx(want, abs=1e-6), step
