@@ -46,11 +46,12 @@ GROUPS = (
 def register_configs() -> None:
     """Register the schema so `train.yaml` can name it first in its defaults list, and each
     training method's options as the schema of its `conf/objective/NAME.yaml` (which names it
-    in its defaults list: `- NAME_options`)."""
+    first in its defaults list: `- /objective_options/NAME@_here_`; a group of its own, so the
+    schemas are not offered as options of `objective`)."""
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=RunConfig)
     for name, method in registered().items():
-        cs.store(group="objective", name=f"{name}_options", node=method_node(name, method))
+        cs.store(group="objective_options", name=name, node=method_node(name, method))
     # conf/hydra/launcher/slurm.yaml: request GPUs only for a run that uses them
     OmegaConf.register_new_resolver("slurm_gpus", slurm.gpus_per_node, replace=True)
     # ${project_dir:}: the checkout holding train.py, conf/ and examples/ (shipped example files by path)

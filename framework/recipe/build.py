@@ -97,7 +97,13 @@ def method_of(tree: dict[str, Any]) -> Any:
     if tree.get("objective") is None:
         return None
     node = dict(tree["objective"])
-    return options.made("objective", method_class(str(node.pop("name", ""))), node)
+    name = str(node.pop("name", MISSING))
+    if name == MISSING:
+        raise ConfigError(
+            "objective.name is required: a method's name (dpo, grpo, ...) or the import path of your Method "
+            "subclass (objective.name=my_pkg.MyMethod)"
+        )
+    return options.made("objective", method_class(name), node)
 
 
 def rows_of(method: Any, batch_size: int) -> int:

@@ -155,6 +155,21 @@ def test_every_data_option_instantiates(compose, name, tmp_path):
         assert {"chosen_input_ids", "rejected_labels"} <= set(splits.train[0])
         assert (len(splits.train), len(splits.valid)) == (7, 1)
         return
+    if name == "hf_prompts":  # prompts of the user's, for GRPO (text and chat), other columns kept
+        from tests.helpers.tiny_chat import tiny_chat_tokenizer
+        from tests.helpers.tiny_prompts import write_prompts_jsonl
+
+        tiny_chat_tokenizer().save_pretrained(tmp_path / "tokenizer")
+        overrides += [
+            f"data.dataset.data_files={write_prompts_jsonl(tmp_path / 'prompts.jsonl')}",
+            f"data.dataset.tokenizer={tmp_path / 'tokenizer'}",
+        ]
+        splits = instantiate(compose(overrides).data.dataset)
+        assert {"prompt_ids", "prompt", "index", "animal"} <= set(splits.train[0])
+        assert len(splits.train) == 32 and splits.valid is None and splits.train.tokenizer is not None
+        batch = splits.collate_fn([splits.train[0], splits.train[20]])
+        assert batch["prompt_mask"][0, 0] == 0 and batch["index"].tolist() == [0, 20]  # left-padded
+        return
     if name == "hf_classification":  # (text, label) rows of the user's; byte tokens by default
         rows = tmp_path / "rows.jsonl"
         rows.write_text("".join(f'{{"text": "row {i}", "label": "{"ab"[i % 2]}"}}\n' for i in range(50)))

@@ -356,3 +356,47 @@ def test_zero3_on_two_processes_and_zero0_on_one_train_the_same(tiny, tmp_path):
 
     base = AutoModelForCausalLM.from_pretrained(tiny.model_dir).state_dict()
     assert max((w1[k] - base[k]).abs().max().item() for k in w1 if k in base) > 1e-4  # it trained
+
+
+def test_several_updates_per_rollout_validation_and_a_lora_reference(tiny):
+    """In one process with the Python API: num_iterations=2 takes two optimizer steps per rollout
+    (the plan counts them; the second is clipped against the sampling policy), validation reports
+    the validation prompts' reward, and with LoRA and beta > 0 the reference is the model with its
+    adapters off (no copy is made)."""
+    import functools
+
+    from framework import Callback, Engine
+    from framework.data.datasets.prompts import hf_prompts
+    from framework.integrations.hf_models import causal_lm
+    from framework.integrations.peft import AdapterConfig
+
+    class Logged(Callback):
+        records: list[dict] = []
+
+        def on_step_end(self, state):
+            if state.log_now:
+                self.records.append(dict(state.logs))
+
+    data = hf_prompts(str(tiny.prompts), tokenizer=str(tiny.model_dir), val_fraction=0.25)
+    grpo = GRPO(reward_funcs=[REWARD], num_generations=4, max_completion_length=6, num_iterations=2, beta=0.1)
+    engine = Engine(
+        causal_lm(path=str(tiny.model_dir)),
+        optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+        train_step=grpo,
+        adapter=AdapterConfig(r=4, dropout=0.0),
+        callbacks=[Logged()],
+    )
+    with engine:
+        history = engine.fit(
+            data.train,
+            data.valid,
+            batch_size=8,
+            max_steps=4,
+            log_freq=1,
+            collate_fn=data.collate_fn,
+            progress=False,
+        )
+    assert not grpo.reference.is_copy  # the adapters switched off are the reference
+    assert engine.state.global_step == 4 and len(Logged.records) == 2  # 2 rollouts x 2 updates
+    assert all({"kl", "clip_ratio/region_mean", "reward"} <= set(r) for r in Logged.records)
+    assert "val_reward" in history and "val_loss" in history
