@@ -2,8 +2,9 @@
 
 A page asks for a table with an HTML comment on a line of its own:
 
-    <!-- generated: config-schema -->      every key of the config schema (framework/cli/config.py,
-                                           framework/plan/strategy.py): type, default, one line
+    <!-- generated: config-schema -->      every key of the config schema (framework/recipe/schema.py
+                                           and the dataclasses it is made of): type, default, one line
+    <!-- generated: methods -->             every training method of framework.methods
     <!-- generated: config-groups -->      every config group under conf/ and its options
     <!-- generated: fields MODULE.CLASS --> the fields of one dataclass (e.g. FitConfig)
     <!-- generated: package-rules -->      framework's packages, lowest first, and each one's rule
