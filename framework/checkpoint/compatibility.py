@@ -4,7 +4,8 @@
   optimizer, parameter names and shapes; another one is named in one line (`check`);
 * an adapter's base weights (`peft.base_record`): a base replaced on disk is refused (`check`);
 * the layout: a checkpoint of ZeRO partitions for another data- or tensor-parallel degree loads
-  through DeepSpeed's universal format (`needs_universal`, `source`, `store.to_universal`).
+  through DeepSpeed's universal format (`needs_universal`, `source`), converted into a cache that
+  the run which saved it never sees (`store.to_universal`).
 """
 
 from __future__ import annotations
@@ -113,8 +114,10 @@ def source(runtime: Runtime, path: Path, meta: dict[str, Any]) -> tuple[Path, bo
             f"checkpoint {path} holds ZeRO partitions for {was} ranks and this engine was already built for "
             f"{built}: load it before anything else runs (Engine.load or fit(resume=...) first)"
         )
-    universal = store.to_universal(path, runtime.process)
-    store.check(universal, runtime.process)
+    job = runtime.process
+    cache = Path(job.broadcast_object(str(store.universal_cache(path)) if job.is_main else None, slow=True))
+    universal = store.to_universal(path, job, into=cache)
+    store.check(universal, job)
     return universal, False
 
 

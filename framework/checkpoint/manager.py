@@ -186,6 +186,8 @@ def _load(parts: Stateful, path: Path) -> None:
             f"checkpoint {path} could not be loaded (DeepSpeed found no model states in it)"
         )
     saved = safety.load_safely(store.rank_file(load_path, job.rank if same_layout else 0))
+    if load_path != path:  # a conversion in the cache, read by every rank now
+        store.drop_conversion(load_path, job)
     state.load_state_dict(saved["loop"], with_position=same_layout)
     if same_layout:  # per-rank metric states and generators do not map onto another world size
         parts.metrics.train.load_state_dict(saved["metrics"]["train"], job.device)
