@@ -129,8 +129,8 @@ class MLflowLogger(_Tracker):
     waits on the server; a call to a server that has not returned within `timeout_s` seconds (a
     server that died: MLflow's client retries for minutes; `START_S` for the calls that start the
     run) ends the logging with one line, and the run's end waits at most that long for what is
-    still queued. A local store (a file, SQLite)
-    has no server to wait for: its calls are never cut short."""
+    still queued. A local store (a file, SQLite) has no server to wait for: its calls are never
+    cut short."""
 
     def __init__(
         self,
