@@ -301,7 +301,8 @@ def launch_job(cfg: DictConfig, output_dir: str) -> float | None:
     value, report = spawn(
         worker_main, (container, output_dir, context), devices, timeout_s=float(cfg.trainer.timeout_s)
     )
-    preemption.install_handler()  # the workers are done: a late signal must not kill the launcher now
+    if not _is_multirun():  # the workers are done: a late signal must not kill the launcher now
+        preemption.install_handler()
     preemption.adopt(report)  # rank 0's: the launcher exits as a preempted worker would
     return value
 
