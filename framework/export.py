@@ -35,6 +35,7 @@ import torch
 from framework.backend import checkpoint_files, deepspeed_globals, expert_parallel
 from framework.backend.weights import load_weights, save_weights
 from framework.checkpoint import safety, store
+from framework.checkpoint.staging import staged_dir, staged_file
 from framework.errors import CheckpointError, ConfigError
 from framework.integrations import hf, peft
 from framework.integrations.hf import HF_CONFIG, HF_PREFIX, TOKENIZER_DIR
@@ -133,41 +134,53 @@ def save_hf_directory(
     """A `save_pretrained` directory from a checkpoint of a transformers model (its config was
     saved with it): the model class from `config.architectures`, the fp32 weights, ties kept (an
     adapter run's: the base with the adapter merged in, see `save_adapter_directory` for `base`);
-    the tokenizer's files from `tokenizer`, else from the checkpoints dir's `tokenizer/`."""
+    the tokenizer's files from `tokenizer`, else from the checkpoints dir's `tokenizer/`. Written
+    whole or not at all (`staging`)."""
     path = _checkpoint(ckpt)
-    adapter = peft.load_config(path)
-    model = peft.merged(_adapted(path, adapter, base)) if adapter is not None else _hf_model(path)
-    model.save_pretrained(str(out), safe_serialization=True)
-    generation = path / HF_CONFIG / "generation_config.json"
-    if generation.is_file():
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "generation_config.json").write_text(generation.read_text())
     if tokenizer is not None and not Path(tokenizer).is_dir():
         raise ConfigError(f"--tokenizer {tokenizer}: no such directory")
-    _copy_tokenizer(Path(tokenizer) if tokenizer else path.parent / TOKENIZER_DIR, Path(out))
+    adapter = peft.load_config(path)
+    model = peft.merged(_adapted(path, adapter, base, out)) if adapter is not None else _hf_model(path)
+    with staged_dir(Path(out)) as staged:
+        model.save_pretrained(str(staged), safe_serialization=True)
+        generation = path / HF_CONFIG / "generation_config.json"
+        if generation.is_file():
+            (staged / "generation_config.json").write_text(generation.read_text())
+        _copy_tokenizer(Path(tokenizer) if tokenizer else path.parent / TOKENIZER_DIR, staged)
     return Path(out)
 
 
 def save_adapter_directory(ckpt: str | Path, out: str | Path, base: str | Path | None = None) -> Path:
     """A PEFT adapter directory (adapter_config.json, adapter_model.safetensors) from a checkpoint
     of an adapter run, whatever its ZeRO stage: `PeftModel.from_pretrained(base, OUT)` loads it.
-    Such a checkpoint holds what trained; the frozen weights come from the base model's directory:
-    `base`, else the one the adapter's config names (`base_model_name_or_path`)."""
-    path = _checkpoint(ckpt)
+    Such a checkpoint holds what trained; for a transformers model the frozen weights come from the
+    base model's directory (`base`, else the one the adapter's config names) and the adapter is
+    checked against them; for any other torch module the adapter's weights are written under the
+    names peft gave them in training. Written whole or not at all (`staging`)."""
+    path = _checkpoint(ckpt, transformers=False)
     adapter = peft.load_config(path)
     if adapter is None:
         raise ConfigError(
             f"{path} is not from an adapter run (+adapter=lora): export it with --hf or to a file"
         )
-    return peft.save_adapter(_adapted(path, adapter, base), Path(out))
+    if not (path / HF_CONFIG / "config.json").is_file():  # LoRA on a plain torch module
+        state = fp32_state_dict(path)
+        with staged_dir(Path(out)) as staged:
+            peft.save_adapter_weights(path, state, staged)
+        return Path(out)
+    model = _adapted(path, adapter, base, out)
+    with staged_dir(Path(out)) as staged:
+        peft.save_adapter(model, staged)
+    return Path(out)
 
 
-def _checkpoint(ckpt: str | Path) -> Path:
-    """The checkpoint `ckpt` names (a checkpoints dir: its newest complete one), of a transformers model."""
+def _checkpoint(ckpt: str | Path, transformers: bool = True) -> Path:
+    """The checkpoint `ckpt` names (a checkpoints dir: its newest complete one), of a transformers
+    model (or, not `transformers`, of any model)."""
     path = store.resolve(str(ckpt), None, name=f"checkpoint {ckpt}")
     if path is None:
         raise ConfigError(f"no complete checkpoint in {ckpt}")
-    if not (path / HF_CONFIG / "config.json").is_file():
+    if transformers and not (path / HF_CONFIG / "config.json").is_file():
         raise ConfigError(
             f"{path} holds no Hugging Face config ({HF_CONFIG}/): --hf and --adapter export transformers models only"
         )
@@ -179,10 +192,11 @@ def _base(path: Path) -> Any:
         return hf.model_from_config_dir(path / HF_CONFIG)
 
 
-def _adapted(path: Path, adapter: Any, base: str | Path | None) -> Any:
+def _adapted(path: Path, adapter: Any, base: str | Path | None, out: str | Path) -> Any:
     """The adapted model of an adapter run's checkpoint: what trained from its fp32 state, the
-    frozen base from the base model's directory (`base` or the one the adapter names)."""
-    state = fp32_state_dict(path)
+    frozen base from the base model's directory (`base` or the one the adapter names), which must
+    be the base it trained on (its fingerprint, when the checkpoint records one) and is never
+    written over (`out`)."""
     where = base or adapter.base_model_name_or_path
     if where is None or not Path(where).is_dir():
         named = (
@@ -194,6 +208,14 @@ def _adapted(path: Path, adapter: Any, base: str | Path | None) -> Any:
             f"{path} holds the adapter's weights only; its base model's weights are needed and {named}: "
             "add --base DIR (the save_pretrained directory the run trained from)"
         )
+    if Path(out).resolve() == Path(where).resolve():
+        raise ConfigError(
+            f"{out} is the base model's own directory: the export would write over the base; choose another OUT"
+        )
+    problem = peft.other_base(store.read_meta(path).get("base"), Path(where))
+    if problem:
+        raise ConfigError(f"{path}: {problem}; give the base it was trained on with --base DIR")
+    state = fp32_state_dict(path)
     if Path(where).resolve() != Path(str(adapter.base_model_name_or_path)).resolve():
         adapter.base_model_name_or_path = str(where)
     return peft.rebuilt(hf.pretrained(Path(where), _base(path)), adapter, state)
@@ -285,14 +307,18 @@ def main(argv: list[str] | None = None) -> int:
         elif args.hf or (not Path(args.out).suffix and _has_hf_config(args.checkpoint)):
             out = save_hf_directory(args.checkpoint, args.out, args.tokenizer, args.base)
         else:
-            out = save_weights(fp32_state_dict(args.checkpoint), args.out)
+            state = fp32_state_dict(args.checkpoint)
+            with staged_file(Path(args.out)) as staged:
+                save_weights(state, staged)
+            out = Path(args.out)
     except (ConfigError, CheckpointError) as exc:
         print(f"Error: {exc}", file=sys.stderr)
         return 1
-    except OSError as exc:  # the output's dir cannot be made or written (a file on its path, read-only)
+    except OSError as exc:  # the output cannot be made or written (a file on its path, a full disk, a limit)
         blocked = isinstance(exc, (FileExistsError, NotADirectoryError))
-        why = f"{exc.filename} is a file, not a dir" if blocked else f"{exc.strerror or exc}: {exc.filename}"
-        print(f"Error: cannot write {args.out} ({why}); choose another path", file=sys.stderr)
+        why = f"{exc.filename} is a file, not a dir" if blocked else exc.strerror or str(exc)
+        advice = "choose another path" if blocked else "free space or choose another path"
+        print(f"Error: cannot write {args.out} ({why}); {advice}", file=sys.stderr)
         return 1
     print(f"wrote {out}")
     return 0

@@ -7,19 +7,16 @@ converted through `framework.backend` (`runtime`, `checkpoint_files`).
 * `store`       the layout on disk, atomic writes, COMPLETE.json, `latest`, prune, resolve,
                 conversion for another world size;
 * `lock`        one run at a time per checkpoints dir;
+* `compatibility` whether a checkpoint fits the run that loads it (setup, an adapter's base,
+                the layout);
+* `staging`     exports written whole or not at all;
 * `manager`     saves and loads the stateful parts it is handed (runtime, loop state, metrics,
                 RNG), and the callback that saves on schedule;
 * `preemption`  the preemption signals (TERM, USR1, USR2) and the ranks' agreement on them.
 """
 
-from framework.checkpoint.manager import (
-    CheckpointManager,
-    Stateful,
-    load,
-    needs_universal,
-    newest,
-    save,
-)
+from framework.checkpoint.compatibility import needs_universal
+from framework.checkpoint.manager import CheckpointManager, Stateful, load, newest, save
 from framework.checkpoint.store import check, complete_checkpoints, find_resumable, mark_bad, resolve, tag_for
 
 __all__ = [

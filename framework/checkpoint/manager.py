@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from framework.backend.weights import whole_shape
-from framework.checkpoint import preemption, rng, safety, store
+from framework.checkpoint import compatibility, preemption, rng, safety, store
 from framework.errors import CheckpointError, ConfigError
 from framework.integrations import peft
 from framework.integrations.hf import save_model_config
@@ -58,44 +57,6 @@ def rank_state(parts: Stateful) -> dict[str, Any]:
         "world_size": parts.runtime.world_size,
         "dp_size": parts.runtime.dp_size,
     }
-
-
-def setup_record(runtime: Runtime) -> dict[str, Any]:
-    """What a run must match to resume a checkpoint: ZeRO stage, pipeline stages, optimizer class,
-    parameter names and whole shapes (as any tensor-parallel degree sees them)."""
-    assert runtime.module is not None
-    return {
-        "zero_stage": runtime.strategy.sharding.stage,
-        "pipeline_stages": runtime.strategy.pipeline.stages,
-        "optimizer": runtime.optimizer_name,
-        "parameters": {n: whole_shape(p) for n, p in runtime.module.named_parameters()},
-    }
-
-
-def _differences(path: Path, saved: dict[str, Any], now: dict[str, Any]) -> str | None:
-    """One sentence naming how this run differs from the one that saved `path`, and what to do."""
-    fresh = (
-        f"or start this run from its weights: python -m framework.export {path} weights.safetensors, "
-        "then trainer.init_from=weights.safetensors"
-    )
-    if saved["zero_stage"] != now["zero_stage"] or saved["pipeline_stages"] != now["pipeline_stages"]:
-        return (
-            f"checkpoint {path} was saved with ZeRO stage {saved['zero_stage']} and {saved['pipeline_stages']} "
-            f"pipeline stage(s); this run uses ZeRO stage {now['zero_stage']} and {now['pipeline_stages']}: "
-            f"resume with strategy.sharding.stage={saved['zero_stage']}, {fresh}"
-        )
-    if saved["optimizer"] != now["optimizer"]:
-        return (
-            f"checkpoint {path} holds {saved['optimizer']} optimizer states; this run uses {now['optimizer']}: "
-            f"resume with the same optimizer, {fresh}"
-        )
-    a, b = saved["parameters"], now["parameters"]
-    if a != b:
-        names = sorted(set(a) ^ set(b)) or sorted(k for k in a if a[k] != b[k])
-        shown = ", ".join(f"{n} ({a.get(n, 'absent')} there, {b.get(n, 'absent')} here)" for n in names[:3])
-        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
-        return f"checkpoint {path} was saved from another model: {shown}{more}; {fresh}"
-    return None
 
 
 def _check_finite(parts: Stateful) -> None:
@@ -182,10 +143,12 @@ def _save(parts: Stateful, ckpt_dir: Path, keep_last_k: int | None, reason: str)
             "micro_batch_size": layout.micro_batch_size if layout else 0,
             "zero_stage": runtime.strategy.sharding.stage,
             "pipeline_stages": runtime.strategy.pipeline.stages,
-            "setup": setup_record(runtime),
+            "setup": compatibility.setup_record(runtime),
             "reason": reason,
             "time": time.time(),
         }
+        if runtime.adapted:  # which base the adapter trains on: a resume or an export checks it
+            meta["base"] = peft.base_record(runtime.module)
         store.mark_complete(path, meta)
         if runtime.adapted and state.last_checkpoint is None:  # the run's first: say what it holds
             size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
@@ -210,10 +173,8 @@ def _load(parts: Stateful, path: Path) -> None:
     runtime, state = parts.runtime, parts.state
     job = runtime.process
     meta = store.check(path, job)
-    difference = _differences(path, meta["setup"], setup_record(runtime)) if "setup" in meta else None
-    if difference:
-        raise CheckpointError(difference)
-    load_path, same_layout = _source(runtime, path, meta)
+    compatibility.check(runtime, path, meta)
+    load_path, same_layout = compatibility.source(runtime, path, meta)
     try:
         loaded = runtime.load_checkpoint(str(load_path.parent), load_path.name)
     except (ConfigError, CheckpointError):
@@ -225,6 +186,8 @@ def _load(parts: Stateful, path: Path) -> None:
             f"checkpoint {path} could not be loaded (DeepSpeed found no model states in it)"
         )
     saved = safety.load_safely(store.rank_file(load_path, job.rank if same_layout else 0))
+    if load_path != path:  # a conversion in the cache, read by every rank now
+        store.drop_conversion(load_path, job)
     state.load_state_dict(saved["loop"], with_position=same_layout)
     if same_layout:  # per-rank metric states and generators do not map onto another world size
         parts.metrics.train.load_state_dict(saved["metrics"]["train"], job.device)
@@ -284,46 +247,6 @@ def newest(ckpt: str | Path, process: ProcessContext | None = None) -> Path:
     if found is None:
         raise CheckpointError(f"no complete checkpoint in {ckpt}")
     return found
-
-
-def _layout(meta: dict[str, Any]) -> tuple[int, int]:
-    """(data-parallel, tensor-parallel) degrees a checkpoint was saved with (TP 1 before it was recorded)."""
-    return int(meta["dp_size"]), int(meta.get("tp_size", 1))
-
-
-def _source(runtime: Runtime, path: Path, meta: dict[str, Any]) -> tuple[Path, bool]:
-    """Where DeepSpeed loads checkpoint `path` from for this run (it, or its universal conversion for
-    another data- or tensor-parallel degree), and whether this run has the checkpoint's layout."""
-    (dp, tp), now = _layout(meta), (runtime.dp_size, runtime.mesh.tp_size)
-    if (dp, tp) == now and int(meta["world_size"]) == runtime.world_size:
-        return path, True
-    if int(meta["zero_stage"]) == 0:  # whole weights for one tensor-parallel degree
-        if tp == now[1]:
-            return path, False
-        raise CheckpointError(
-            f"checkpoint {path} holds ZeRO-0 weights split over {tp} tensor-parallel ranks, this run uses {now[1]} "
-            f"(DeepSpeed converts ZeRO 1-3 only): resume with strategy.tensor_parallel.degree={tp}, or python -m "
-            f"framework.export {path} weights.safetensors, then trainer.init_from=weights.safetensors"
-        )
-    if not runtime.load_universal:
-        was, built = (
-            f"{d} data-parallel" + (f" x {t} tensor-parallel" if t > 1 else "") for d, t in ((dp, tp), now)
-        )
-        raise CheckpointError(
-            f"checkpoint {path} holds ZeRO partitions for {was} ranks and this engine was already built for "
-            f"{built}: load it before anything else runs (Engine.load or fit(resume=...) first)"
-        )
-    universal = store.to_universal(path, runtime.process)
-    store.check(universal, runtime.process)
-    return universal, False
-
-
-def needs_universal(path: Path, mesh: Mesh) -> bool:
-    """True when the checkpoint holds ZeRO partitions for another layout than `mesh`'s: another
-    data-parallel size, or another tensor-parallel degree (DeepSpeed's universal format has
-    every parameter whole and re-splits it for the loading run)."""
-    meta = store.read_meta(path)
-    return _layout(meta) != (mesh.dp_size, mesh.tp_size) and int(meta["zero_stage"]) > 0
 
 
 class CheckpointManager(Callback):

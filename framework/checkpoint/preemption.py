@@ -11,14 +11,19 @@ requeues the job (`submitit_requeue`), and the requeued attempt resumes from it.
 
 from __future__ import annotations
 
+import atexit
 import signal
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from framework.checkpoint import store
+from framework.errors import CheckpointError
 from framework.process.context import ProcessContext
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
@@ -34,6 +39,7 @@ class _Requests:
         self.at: float | None = None  # time of the first signal
         self.signum: int | None = None  # which one
         self.saved_step: int | None = None  # the preemption checkpoint's step, once saved
+        self.ignored_at_exit = False  # `_ignore_at_exit` is registered
 
 
 _requests = _Requests()
@@ -50,6 +56,18 @@ def install_handler() -> None:
         before = signal.signal(signum, handler)
         if getattr(before, "__qualname__", "") != handler.__qualname__:
             _previous[signum] = before
+    if not _requests.ignored_at_exit:
+        atexit.register(_ignore_at_exit)
+        _requests.ignored_at_exit = True
+
+
+def _ignore_at_exit() -> None:
+    """While the interpreter exits, TERM, USR1 and USR2 are ignored: the process's ending is
+    decided (a signal noted before now was acted on), and Python gives the default action, death,
+    back to every signal it handled on its way out, so a signal 0.3 s after a finished run's last
+    checkpoint ended it by SIGTERM instead of 0."""
+    for signum in SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def note_requested(at: float, signum: int) -> None:
@@ -245,3 +263,32 @@ class Deadline:
             "" if self.grace_s is None else f", {self.grace_s - took:.1f} s before grace_s={self.grace_s:g}"
         )
         return f" {took:.1f} s after the signal{margin}"
+
+
+def last_checkpoint(ckpt_dir: Path) -> str:
+    """'DIR/step_00000120 (step 120)': the newest complete checkpoint in `ckpt_dir`, or 'none'."""
+    newest = store.complete_checkpoints(ckpt_dir)[-1:] if ckpt_dir.is_dir() else []
+    try:
+        step = store.read_meta(newest[0]).get("step") if newest else None
+    except CheckpointError:
+        step = "?"
+    return f"{newest[0]} (step {step})" if newest else "none"
+
+
+def exit_code(ckpt_dir: Path, since: float) -> int:
+    """How a job whose workers did not survive a preemption signal ends: `EXIT_PREEMPTED` when they
+    wrote a checkpoint for the preemption after `since` (the launch), 0 when the run's final one
+    (it finished); otherwise 1, naming the last good checkpoint."""
+    newest = store.complete_checkpoints(ckpt_dir)[-1:] if ckpt_dir.is_dir() else []
+    try:
+        meta = store.read_meta(newest[0]) if newest else {}
+    except CheckpointError:
+        meta = {}
+    if meta.get("reason") in ("preempted", "end") and float(meta.get("time", 0)) >= since:
+        return EXIT_PREEMPTED if meta["reason"] == "preempted" else 0
+    print(
+        f"Error: preempted ({signal_name()}) before a checkpoint could be saved; "
+        f"last good checkpoint: {last_checkpoint(ckpt_dir)}",
+        file=sys.stderr,
+    )
+    return 1

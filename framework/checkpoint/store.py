@@ -6,7 +6,9 @@ Layout of a checkpoints dir (`trainer.checkpoint.dir`, default `<output dir>/che
         hydraspeed_rank00000.pt   each rank's loop state: counters, RNG, loader position, metrics
         COMPLETE.json             written by rank 0 last, after every rank's files are on disk
     latest                        name of the newest complete checkpoint (moved atomically)
-    step_00000120_universal/      the same, converted for another world size (pruned with it)
+    step_00000120_universal/      the same, converted for another tensor-parallel degree by an
+                                  export (pruned with it); a resume on another layout converts
+                                  into a cache instead (`universal_cache`), never into this dir
 
 A dir without COMPLETE.json is a save that did not finish; one whose files differ from the
 checksums in COMPLETE.json, or would run code when unpickled, is damaged (see `safety`).
@@ -15,6 +17,7 @@ checksums in COMPLETE.json, or would run code when unpickled, is damaged (see `s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -278,10 +281,21 @@ def mark_bad(paths: list[str], reason: str, process: ProcessContext | None = Non
 # ---------------------------------------------------------------------------- another world size
 
 
-def to_universal(path: Path, process: ProcessContext | None = None) -> Path:
+def universal_cache(path: Path) -> Path:
+    """Where a resume's conversion of checkpoint `path` goes: a cache the run that saved it never
+    sees (`$HYDRASPEED_CACHE`, else `$XDG_CACHE_HOME/hydraspeed`, else `~/.cache/hydraspeed`; on
+    several nodes, a dir every node sees), one dir per checkpoint (by its COMPLETE.json)."""
+    root = os.environ.get("HYDRASPEED_CACHE") or Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "hydraspeed"
+    )
+    return Path(root) / "universal" / safety.sha256(path / COMPLETE)[:16]
+
+
+def to_universal(path: Path, process: ProcessContext | None = None, into: Path | None = None) -> Path:
     """Convert a ZeRO checkpoint to DeepSpeed's universal format (once; rank 0 of `process`
-    converts). Collective: the other ranks wait for the conversion."""
-    out, job = path.with_name(path.name + "_universal"), ranks(process)
+    converts) as `<into>/<name>_universal` (`into`: beside `path` by default). Collective: the
+    other ranks wait for the conversion."""
+    out, job = (into or path.parent) / (path.name + "_universal"), ranks(process)
     if job.is_main:
         meta = verify(path)
         source = safety.sha256(path / COMPLETE)
@@ -290,17 +304,31 @@ def to_universal(path: Path, process: ProcessContext | None = None) -> Path:
         except CheckpointError:
             done = False
         if not done:
+            out.parent.mkdir(parents=True, exist_ok=True)
             _convert(path, out, dict(meta, converted_from=source))
     job.barrier(slow=True)
     return out
+
+
+def drop_conversion(out: Path, process: ProcessContext | None = None) -> None:
+    """Collective, once every rank has loaded conversion `out` (from `universal_cache`): rank 0
+    removes it (a new checkpoint of this layout replaces it; another resume converts again)."""
+    job = ranks(process)
+    job.barrier(slow=True)
+    if job.is_main:
+        shutil.rmtree(out, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            out.parent.rmdir()  # its checkpoint's dir in the cache, when empty
 
 
 def _convert(path: Path, out: Path, meta: dict[str, Any]) -> None:
     """Run DeepSpeed's ds_to_universal on `path` into a new, empty dir (the converter unpickles
     files it finds in its output dir: only its own may be there), then put it in place as `out`."""
     remove_interrupted(out.parent)
-    fresh = Path(tempfile.mkdtemp(prefix=f"{out.name}{CONVERTING}{os.getpid()}-", dir=out.parent))
-    staged = fresh.with_name(fresh.name + "-staged")  # SGD's states under Adam's names, when needed
+    work = Path(tempfile.mkdtemp(prefix=f"{out.name}{CONVERTING}{os.getpid()}-", dir=out.parent))
+    fresh = work / out.name  # the converter's `latest_universal` lands in `work`, removed with it
+    fresh.mkdir()  # made as any dir the user makes (mkdtemp's are 0700)
+    staged = work.with_name(work.name + "-staged")  # SGD's states under Adam's names, when needed
     try:
         renamed = checkpoint_files.adam_shaped(path, staged)
         cmd = checkpoint_files.universal_command(staged if renamed else path, fresh, int(meta["zero_stage"]))
@@ -332,5 +360,5 @@ def _convert(path: Path, out: Path, meta: dict[str, Any]) -> None:
             shutil.rmtree(out)
         fresh.rename(out)
     finally:
-        shutil.rmtree(fresh, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(staged, ignore_errors=True)

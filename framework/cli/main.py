@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import signal
 import sys
 import time
 import traceback
@@ -24,7 +25,6 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from framework.backend import deepspeed_globals
 from framework.checkpoint import preemption
-from framework.checkpoint.store import complete_checkpoints, read_meta
 from framework.cli import autotune, sweep
 from framework.cli.build import train, tree
 from framework.cli.config import register_configs
@@ -78,13 +78,17 @@ def run(cfg: DictConfig) -> float | None:
     except WorkerFailed as exc:
         return _fail(str(exc), show=not exc.printed)
     except Interrupted as exc:
-        # A preemption signal the workers did not survive: exit 1, naming the last good checkpoint;
-        # INT, HUP, QUIT: 128 + the signal. Leave at once: the launcher's rendezvous store can
-        # still hold C++ threads that abort an ordinary interpreter exit.
-        code = 128 + exc.signum
+        # A preemption signal the workers did not survive: 75 or 0 when they saved for it or had
+        # finished, else 1 naming the last good checkpoint; INT, HUP, QUIT: 128 + the signal. Leave
+        # at once: the launcher's rendezvous store can hold C++ threads that abort a normal exit.
+        code, ckpt_dir = 128 + exc.signum, checkpoint_dir(tree(cfg), output_dir)
         if exc.signum in preemption.SIGNALS:
             preemption.note_requested(exc.since, exc.signum)
-            code = _preempted_exit_code(checkpoint_dir(tree(cfg), output_dir), exc.since)
+            code = preemption.exit_code(ckpt_dir, exc.since)
+            if code in (0, preemption.EXIT_PREEMPTED) and env_rank() == 0:
+                sweep.write_status(Path(output_dir), "ok" if code == 0 else "preempted")
+        else:
+            _say_interrupted(exc.signum, ckpt_dir)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
@@ -95,6 +99,9 @@ def run(cfg: DictConfig) -> float | None:
         if verbose:
             traceback.print_exc()
         return _fail(failure, show=True)
+    except KeyboardInterrupt:  # Ctrl-C on a run in this process: no traceback, the way to go on
+        _say_interrupted(signal.SIGINT, checkpoint_dir(tree(cfg), output_dir))
+        sys.exit(130)
     if preemption.saved_step() is not None:
         return _end_preempted(Path(output_dir))
     if env_rank() == 0:
@@ -126,23 +133,14 @@ def _end_preempted(output_dir: Path) -> float:
     sys.exit(preemption.EXIT_PREEMPTED)
 
 
-def _preempted_exit_code(ckpt_dir: Path, since: float) -> int:
-    """`EXIT_PREEMPTED` when the workers wrote a checkpoint for the preemption after `since`, 0
-    when the run's final one (it finished); otherwise 1, naming the last good checkpoint."""
-    newest = complete_checkpoints(ckpt_dir)[-1:] if ckpt_dir.is_dir() else []
-    try:
-        meta = read_meta(newest[0]) if newest else {}
-    except CheckpointError:
-        meta = {}
-    if meta.get("reason") in ("preempted", "end") and float(meta.get("time", 0)) >= since:
-        return preemption.EXIT_PREEMPTED if meta["reason"] == "preempted" else 0
-    last = f"{newest[0]} (step {meta.get('step')})" if newest else "none"
-    print(
-        f"Error: preempted ({preemption.signal_name()}) before a checkpoint could be saved; "
-        f"last good checkpoint: {last}",
-        file=sys.stderr,
-    )
-    return 1
+def _say_interrupted(signum: int, ckpt_dir: Path) -> None:
+    """Rank 0: which signal ended the run, its last checkpoint and how to go on from it."""
+    if env_rank() == 0:
+        last = preemption.last_checkpoint(ckpt_dir)
+        again = (
+            f"; resume with trainer.resume=auto trainer.checkpoint.dir={ckpt_dir}" if last != "none" else ""
+        )
+        print(f"interrupted ({signal.Signals(signum).name}); last checkpoint: {last}{again}", file=sys.stderr)
 
 
 def _fail(message: str, show: bool) -> float:
@@ -184,6 +182,8 @@ def launch_job(cfg: DictConfig, output_dir: str) -> float | None:
     value, report = spawn(
         worker_main, (container, output_dir, context), devices, timeout_s=float(cfg.trainer.timeout_s)
     )
+    if not _is_multirun():  # the workers are done: a late signal must not kill the launcher now
+        preemption.install_handler()
     preemption.adopt(report)  # rank 0's: the launcher exits as a preempted worker would
     return value
 

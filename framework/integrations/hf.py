@@ -37,8 +37,10 @@ def save_model_config(module: Any, path: Path) -> None:
     """A Hugging Face model's config (and generation config) next to its weights, so an export
     can write a `save_pretrained` directory; for a wrapper, also where the model's weights are;
     for a `peft` model, the adapter's config (naming the base model) too."""
+    if peft.is_adapted(module):  # what `export --adapter` and `--hf` rebuild the adapted model from
+        peft.save_config(module, path)
     found = hf_model_in(module)
-    if found is None:
+    if found is None:  # any torch module: its weights are all there is (an adapter's config, above)
         return
     prefix, model = found
     model.config.architectures = [type(model).__name__]  # what save_pretrained records, for from_pretrained
@@ -48,8 +50,6 @@ def save_model_config(module: Any, path: Path) -> None:
         generation.save_pretrained(str(path / HF_CONFIG))
     if prefix:
         (path / HF_CONFIG / HF_PREFIX).write_text(prefix)
-    if peft.is_adapted(module):  # what `export --adapter` and `--hf` rebuild the adapted model from
-        peft.save_config(module, path)
 
 
 TOKENIZER_DIR = "tokenizer"  # in a checkpoints dir: the files of the tokenizer the run trained with
@@ -115,8 +115,9 @@ def hf_model_in(module: Any) -> tuple[str, Any] | None:
     """(prefix, model): the Hugging Face model `module` is, or the one sub-module that is (a wrapper
     around it); None when there is none, or several. A `peft` wrapper is seen through: its base
     model, with the prefix of its weights in the wrapper's state dict."""
-    if peft.is_adapted(module):
-        return "base_model.model.", peft.base_model(module)
+    if peft.is_adapted(module):  # its base may be any torch module (LoRA on an MLP: no HF model)
+        inner = hf_model_in(peft.base_model(module))
+        return ("base_model.model." + inner[0], inner[1]) if inner is not None else None
     if is_hf_model(module):
         return "", module
     found = [(name, m) for name, m in module.named_modules() if name and is_hf_model(m)]

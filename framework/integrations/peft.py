@@ -14,7 +14,9 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import sys
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,9 +126,19 @@ def adapt(model: nn.Module, config: Any, causal_lm: bool = False) -> nn.Module:
         config = copy.copy(config)
         config.task_type = "CAUSAL_LM"
     try:
-        return get_peft_model(model, config)
+        with _quiet():
+            return get_peft_model(model, config)
     except ValueError as exc:  # e.g. a target module the model does not have
         raise ConfigError(f"adapter: {str(exc).splitlines()[0]}") from None
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """peft asks a transformers model `is_gradient_checkpointing`, which transformers 5 deprecates
+    with a FutureWarning on every call: a warning about peft's code, not the user's."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
 
 
 def _numel(p: torch.Tensor) -> int:
@@ -178,10 +190,103 @@ def describe_checkpoint(size: int, model: Any) -> str:
 ADAPTER_DIR = "adapter"  # in a checkpoint: adapter_config.json of the run's adapter
 
 
+WEIGHTS_MAP = "weights_map.json"  # in ADAPTER_DIR: {name in a PEFT adapter file: name in the model}
+
+
 def save_config(model: Any, path: Path) -> None:
-    """The adapter's config (`adapter_config.json`, naming its base model) under `path/adapter`."""
-    config = next(iter(model.peft_config.values()))
+    """The adapter's config (`adapter_config.json`, naming its base model: a directory by its
+    absolute path, so an export from anywhere finds it) under `path/adapter`, with the names its
+    weights have in a PEFT adapter file (`WEIGHTS_MAP`, as peft itself names them), so that
+    `save_adapter_weights` needs no model to write one."""
+    import copy
+    import json
+
+    from peft import get_peft_model_state_dict
+
+    config = copy.copy(next(iter(model.peft_config.values())))
+    base = config.base_model_name_or_path
+    if base and Path(base).is_dir():
+        config.base_model_name_or_path = str(Path(base).resolve())
     config.save_pretrained(str(path / ADAPTER_DIR))
+    names = list(model.state_dict())  # names only: under ZeRO-3 the tensors are empty partitions
+    with _quiet():
+        chosen = get_peft_model_state_dict(
+            model, state_dict={n: torch.tensor(i) for i, n in enumerate(names)}
+        )
+    mapping = {key: names[int(index)] for key, index in chosen.items()}
+    (path / ADAPTER_DIR / WEIGHTS_MAP).write_text(json.dumps(mapping, indent=1))
+
+
+def save_adapter_weights(path: Path, state: dict[str, torch.Tensor], out: Path) -> Path:
+    """A PEFT adapter directory from checkpoint `path`'s adapter config and its weights `state`
+    (the consolidated state dict of the adapted model), without building the model: for an
+    adapter on any torch module (`PeftModel.from_pretrained(module, OUT)` loads it)."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    names = path / ADAPTER_DIR / WEIGHTS_MAP
+    if not names.is_file():
+        raise ConfigError(
+            f"{path} records no adapter weight names ({ADAPTER_DIR}/{WEIGHTS_MAP}): save it again"
+        )
+    mapping = json.loads(names.read_text())
+    missing = [name for name in mapping.values() if name not in state]
+    if missing or not mapping:
+        raise ConfigError(f"{path} lacks the adapter's weights ({', '.join(missing[:3]) or 'none recorded'})")
+    out.mkdir(parents=True, exist_ok=True)
+    weights = {key: state[name].detach().contiguous().clone() for key, name in mapping.items()}
+    save_file(weights, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    shutil.copyfile(path / ADAPTER_DIR / "adapter_config.json", out / "adapter_config.json")
+    return out
+
+
+_fingerprints: dict[Any, str] = {}  # the files' names, sizes and times -> their fingerprint
+
+
+def fingerprint(directory: Path) -> str | None:
+    """SHA-256 over the weight files of a `save_pretrained` directory (`*.safetensors`, `*.bin`:
+    each one's name and bytes, in name order); None when it holds none. Hashed once per process
+    while no file changes (name, size, modification time)."""
+    files = sorted(
+        f for pattern in ("*.safetensors", "*.bin") for f in Path(directory).glob(pattern) if f.is_file()
+    )
+    stamp = tuple((f.name, (st := f.stat()).st_size, st.st_mtime_ns) for f in files)
+    if not files:
+        return None
+    if (Path(directory).resolve(), stamp) not in _fingerprints:
+        digest = hashlib.sha256()
+        for file in files:
+            digest.update(file.name.encode() + b"\0")
+            with open(file, "rb") as f:
+                for block in iter(lambda: f.read(1 << 22), b""):
+                    digest.update(block)
+        _fingerprints[(Path(directory).resolve(), stamp)] = digest.hexdigest()
+    return _fingerprints[(Path(directory).resolve(), stamp)]
+
+
+def base_record(model: Any) -> dict[str, str] | None:
+    """Where an adapted model's base weights came from and their `fingerprint` (for a checkpoint's
+    metadata); None for a base that no directory holds (built in code)."""
+    where = base_name(model)
+    found = fingerprint(Path(where)) if where and Path(where).is_dir() else None
+    return {"path": str(Path(str(where)).resolve()), "sha256": found} if found else None
+
+
+def other_base(recorded: dict[str, str] | None, directory: Path) -> str | None:
+    """Why the base in `directory` is not the one a checkpoint's adapter trained on (`recorded`:
+    `base_record` at the save), in words; None when it is, or nothing was recorded."""
+    if not recorded:
+        return None
+    found = fingerprint(directory) if directory.is_dir() else None
+    if found == recorded["sha256"]:
+        return None
+    what = "holds other weights" if found else "holds no weight files"
+    return (
+        f"the base model {directory} {what} than the one the adapter was trained on ({recorded['path']} at the "
+        f"save; SHA-256 of its weight files {recorded['sha256'][:12]}, here {(found or 'none')[:12]})"
+    )
 
 
 def load_config(path: Path) -> Any | None:
@@ -200,7 +305,20 @@ def rebuilt(base: nn.Module, config: Any, state: dict[str, torch.Tensor]) -> Any
     be there."""
     from peft import get_peft_model
 
-    model = get_peft_model(base, config)
+    with _quiet():
+        model = get_peft_model(base, config)
+    shapes = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+    wrong = [
+        (k, tuple(v.shape), shapes[k])
+        for k, v in state.items()
+        if k in shapes and tuple(v.shape) != shapes[k]
+    ]
+    if wrong:  # torch would raise a page of "size mismatch for ..." lines
+        name, there, here = wrong[0]
+        raise ConfigError(
+            f"the checkpoint's weights do not fit the adapted {type(base).__name__}: {name} is {list(there)} in "
+            f"the checkpoint, {list(here)} here ({len(wrong)} such): give the base model the run trained from"
+        )
     missing, unexpected = model.load_state_dict(state, strict=False)
     trained = {name for name, p in model.named_parameters() if p.requires_grad}
     if unexpected or trained & set(missing):

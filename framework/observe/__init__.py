@@ -9,6 +9,8 @@ Rule: imports packages below it (`errors`, `process`, `integrations`, `plan`, `d
 * `callbacks`   the `Event`s, `Callback`, `Control`, and the built-in callbacks;
 * `metrics`     the training and evaluation metric sets, synced across ranks;
 * `loggers`     console progress, `metrics.jsonl`, wandb;
+* `trackers`    TensorBoard and MLflow;
+* `background`  a tracker's calls made from a thread of their own (a dead server never holds training);
 * `throughput`  samples/s, tokens/s, MFU, the step's time split into phases;
 * `runlog`      rank 0's console copied into the run's log file.
 """

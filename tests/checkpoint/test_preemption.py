@@ -98,17 +98,54 @@ def test_a_preemption_signal_saves_and_ends_the_job_with_the_preempted_exit_code
 
 
 @pytest.mark.slow
-def test_ctrl_c_ends_a_devices_2_job_with_130(tmp_path):
-    """SIGINT is not preemption: the launcher passes it on and the job ends at once, 128 + 2 (a
-    worker interrupted inside torch's process wrapper would otherwise exit 0 with no result and
-    leave the launcher waiting for one)."""
-    proc = start([*FAST, "trainer.epochs=5", SLOW, "trainer.devices=2"], tmp_path)
+@pytest.mark.parametrize("devices", [1, 2])
+def test_ctrl_c_ends_the_job_with_130_naming_its_last_checkpoint(tmp_path, devices):
+    """SIGINT is not preemption: the job ends at once, 128 + 2, in one line naming the last checkpoint
+    and how to go on (one process: no KeyboardInterrupt traceback; two: the launcher passes it on,
+    and a worker interrupted inside torch's process wrapper would otherwise exit 0 with no result
+    and leave the launcher waiting for one)."""
+    args = [*FAST, "trainer.epochs=5", SLOW, f"trainer.devices={devices}", "trainer.checkpoint.save_freq=5"]
+    proc = start(args, tmp_path)
     wait_for_steps(proc, tmp_path)
     signalled = time.monotonic()
     os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the launcher and its workers
-    finish(proc, timeout=60)
-    assert proc.returncode == 130
+    _, err = finish(proc, timeout=60)
+    assert proc.returncode == 130, err[-3000:]
     assert time.monotonic() - signalled < 30
+    assert re.search(
+        rf"interrupted \(SIGINT\); last checkpoint: {tmp_path}/checkpoints/step_\d+ \(step \d+\); resume with "
+        rf"trainer.resume=auto trainer.checkpoint.dir={tmp_path}/checkpoints",
+        err,
+    ), err[-3000:]
+    assert "Traceback" not in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices", [1, 2])
+def test_sigterm_after_the_final_checkpoint_ends_a_finished_run_with_0(tmp_path, devices):
+    """A SIGTERM 0.3-0.8 s after a run finished (its final checkpoint complete) killed the exiting
+    process (Python gives the default action back on its way out) or a worker, and the job ended
+    by SIGTERM or without its status. Here SIGTERM every 0.1 s from the final checkpoint until the
+    job is gone, so one lands while it exits: 0, as the docs promise, with its status."""
+    proc = start([*FAST, f"trainer.devices={devices}"], tmp_path)
+
+    def finished() -> bool:
+        ends = [p / "COMPLETE.json" for p in (tmp_path / "checkpoints").glob("step_*")]
+        return any(f.is_file() and json.loads(f.read_text())["reason"] == "end" for f in ends)
+
+    deadline = time.monotonic() + 120
+    while not finished():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+        time.sleep(0.02)
+    sent = 0
+    while proc.poll() is None and sent < 300:
+        proc.send_signal(signal.SIGTERM)
+        sent += 1
+        time.sleep(0.1)
+    _, err = finish(proc, timeout=60)
+    assert proc.returncode == 0, err[-3000:]
+    assert json.loads((tmp_path / "status.json").read_text())["status"] == "ok"
+    assert "Error" not in err and sent >= 1
 
 
 @pytest.mark.slow

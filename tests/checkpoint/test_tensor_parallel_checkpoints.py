@@ -16,7 +16,7 @@ import transformers
 from omegaconf import OmegaConf
 
 from framework import Callback, checkpoint
-from framework.checkpoint import manager, safety, store
+from framework.checkpoint import compatibility, safety, store
 from framework.errors import CheckpointError
 from framework.export import fp32_state_dict, load_weights, main, save_weights
 from framework.models import LMLoss
@@ -151,7 +151,7 @@ def test_another_tensor_parallel_degree_needs_the_universal_format(tmp_path):
     with pytest.raises(
         CheckpointError, match="ZeRO-0 weights split over 2 tensor-parallel ranks, this run uses 1"
     ):
-        manager._source(one_rank, zero0, store.read_meta(zero0))
+        compatibility.source(one_rank, zero0, store.read_meta(zero0))
 
 
 def test_a_zero0_tensor_parallel_checkpoint_exports_whole_weights(tmp_path):

@@ -187,3 +187,35 @@ def test_lora_on_one_process_equals_plain_peft(tmp_path, monkeypatch):
     assert sorted(result["errors"]) == ["zero0 acc2", "zero3 acc2"]
     bad = {case: e for case, e in result["errors"].items() if not all(x <= 1e-6 for x in e)}
     assert not bad, bad
+
+
+def test_peft_asks_nothing_deprecated_of_a_transformers_model():
+    """peft reads `is_gradient_checkpointing`, which transformers 5 deprecates with a FutureWarning on
+    every run and export: the framework's adapt and rebuild never show it."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        adapted = adapters.adapt(tiny_llama(), lora(), causal_lm=True)
+        adapters.rebuilt(tiny_llama(), lora(task_type="CAUSAL_LM"), adapted.state_dict())
+    assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)]
+
+
+@pytest.mark.slow
+def test_lora_on_a_plain_torch_module_saves_a_complete_checkpoint_and_exports_for_peft(tmp_path):
+    """`python train.py +adapter=lora` on the default MLP (not a transformers model): the end-of-run
+    checkpoint is complete, and `export --adapter` writes what PEFT loads onto an MLP."""
+    from framework.checkpoint import store
+    from framework.models import MLP
+
+    from ..conftest import FAST, run_train
+
+    run = run_train(["+adapter=lora", *FAST], tmp_path / "run")
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    path = store.find_resumable(tmp_path / "run" / "checkpoints")
+    assert path is not None and store.read_meta(path)["reason"] == "end"
+    assert export([str(path), str(tmp_path / "adapter"), "--adapter"]) == 0
+    adapted = peft.PeftModel.from_pretrained(MLP(), tmp_path / "adapter")
+    held, loaded = fp32_state_dict(path), adapted.state_dict()
+    assert held and all(torch.equal(loaded[k], v) for k, v in held.items())
+    assert max(v.abs().max().item() for k, v in held.items() if "lora_B" in k) > 0  # trained
