@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,13 +25,50 @@ if TYPE_CHECKING:
     from framework.plan.run_plan import Mesh
 
 
-def check(runtime: Runtime, path: Path, meta: dict[str, Any]) -> None:
+def check(runtime: Runtime, path: Path, meta: dict[str, Any], step: Any = None) -> None:
     """A CheckpointError naming how the run that saved checkpoint `path` differs from this one
-    (its setup, an adapter's base weights), and what to do."""
-    difference = differences(path, meta["setup"], setup_record(runtime)) if "setup" in meta else None
+    (its setup, an adapter's base weights, what its adapter computes), and what to do; a changed
+    hyperparameter that leaves the trained weights' meaning alone (an adapter's dropout, a
+    training method's option) is said in one line by rank 0. `step`: the training step object."""
+    now = setup_record(runtime)
+    difference = differences(path, meta["setup"], now) if "setup" in meta else None
     if difference:
         raise CheckpointError(difference)
     _check_base(runtime, path, meta)
+    if runtime.process.is_main:
+        for line in changed_hyperparameters(
+            meta.get("setup", {}), now, meta.get("method"), method_record(step)
+        ):
+            print(f"resume: {line}", flush=True)
+
+
+def method_record(step: Any) -> dict[str, Any] | None:
+    """A training method's name and options (its `config` dataclass), for a checkpoint's metadata."""
+    config = getattr(step, "config", None)
+    if config is None or not dataclasses.is_dataclass(config):
+        return None
+    options = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    return {"method": type(step).__name__, "options": json.loads(json.dumps(options, default=repr))}
+
+
+def changed_hyperparameters(
+    saved: dict[str, Any], now: dict[str, Any], saved_method: Any, now_method: Any
+) -> list[str]:
+    """One line per hyperparameter this run changes without changing what the weights mean."""
+    lines = []
+    old, new = saved.get("adapter") or {}, now.get("adapter") or {}
+    if old and new and old.get("lora_dropout") != new.get("lora_dropout"):
+        lines.append(
+            f"adapter.dropout {old['lora_dropout']} -> {new['lora_dropout']} (the checkpoint trained with the first)"
+        )
+    if saved_method and now_method and saved_method["method"] == now_method["method"]:
+        for key, value in now_method["options"].items():
+            before = saved_method["options"].get(key, value)
+            if before != value:
+                lines.append(
+                    f"{now_method['method']} {key} {before} -> {value} (objective.{key}; the checkpoint trained with the first)"
+                )
+    return lines
 
 
 def setup_record(runtime: Runtime) -> dict[str, Any]:
@@ -41,6 +80,7 @@ def setup_record(runtime: Runtime) -> dict[str, Any]:
         "pipeline_stages": runtime.strategy.pipeline.stages,
         "optimizer": runtime.optimizer_name,
         "parameters": {n: whole_shape(p) for n, p in runtime.module.named_parameters()},
+        "adapter": peft.hyperparameters(runtime.module),
     }
 
 
@@ -61,6 +101,13 @@ def differences(path: Path, saved: dict[str, Any], now: dict[str, Any]) -> str |
             f"checkpoint {path} holds {saved['optimizer']} optimizer states; this run uses {now['optimizer']}: "
             f"resume with the same optimizer, {fresh}"
         )
+    old, new = saved.get("adapter") or {}, now.get("adapter") or {}
+    for key, name in (("lora_alpha", "adapter.alpha"), ("use_dora", "adapter.use_dora")):
+        if old and new and old.get(key) != new.get(key):
+            return (
+                f"checkpoint {path} trained its adapter with {name}={old[key]}; this run sets {name}={new[key]}, "
+                f"which changes what the trained weights compute: resume with {name}={old[key]}, {fresh}"
+            )
     a, b = saved["parameters"], now["parameters"]
     if a != b:
         names = sorted(set(a) ^ set(b)) or sorted(k for k in a if a[k] != b[k])

@@ -144,6 +144,7 @@ def _save(parts: Stateful, ckpt_dir: Path, keep_last_k: int | None, reason: str)
             "zero_stage": runtime.strategy.sharding.stage,
             "pipeline_stages": runtime.strategy.pipeline.stages,
             "setup": compatibility.setup_record(runtime),
+            "method": compatibility.method_record(parts.step),
             "reason": reason,
             "time": time.time(),
         }
@@ -173,7 +174,7 @@ def _load(parts: Stateful, path: Path) -> None:
     runtime, state = parts.runtime, parts.state
     job = runtime.process
     meta = store.check(path, job)
-    compatibility.check(runtime, path, meta)
+    compatibility.check(runtime, path, meta, parts.step)
     load_path, same_layout = compatibility.source(runtime, path, meta)
     try:
         loaded = runtime.load_checkpoint(str(load_path.parent), load_path.name)

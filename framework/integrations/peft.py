@@ -266,6 +266,16 @@ def fingerprint(directory: Path) -> str | None:
     return _fingerprints[(Path(directory).resolve(), stamp)]
 
 
+def hyperparameters(model: Any) -> dict[str, Any] | None:
+    """What an adapted model's adapter computes with beside its weights (`lora_alpha` scales its
+    output by alpha / r, `use_dora` decomposes it, `lora_dropout` drops its input in training);
+    None for a model without an adapter."""
+    if not is_adapted(model):
+        return None
+    config = next(iter(model.peft_config.values()))
+    return {key: getattr(config, key, None) for key in ("lora_alpha", "use_dora", "lora_dropout")}
+
+
 def base_record(model: Any) -> dict[str, str] | None:
     """Where an adapted model's base weights came from and their `fingerprint` (for a checkpoint's
     metadata); None for a base that no directory holds (built in code)."""

@@ -32,3 +32,42 @@ def test_an_adapter_resumes_only_on_the_base_it_trained_on(tmp_path):
     ) as err:
         adapter_engine(base).fit(token_data(), batch_size=4, epochs=3, save_dir=str(ckpts), resume="auto")
     assert "\n" not in str(err.value) and "model.path" in str(err.value)
+
+
+def test_a_resume_that_changes_what_the_adapter_computes_is_refused_and_a_dropout_said(tmp_path, capsys):
+    """alpha scales the adapter's output and DoRA decomposes it: resuming with another would train,
+    and describe, the saved weights as something else (refused, one line); another dropout leaves
+    the weights' meaning alone (said once, at the resume)."""
+    base = write_base(tmp_path / "base")
+    ckpts = train_adapter(base, tmp_path / "ckpts")
+    end_group()
+    for change, words in (({"alpha": 16}, "adapter.alpha=8"), ({"use_dora": True}, "adapter.use_dora=False")):
+        with pytest.raises(CheckpointError, match=f"trained its adapter with {words}") as err:
+            adapter_engine(base, **change).fit(
+                token_data(), batch_size=4, epochs=2, save_dir=str(ckpts), resume="auto"
+            )
+        assert "\n" not in str(err.value)
+        end_group()
+    capsys.readouterr()
+    resumed = adapter_engine(base, dropout=0.1)
+    resumed.fit(
+        token_data(),
+        batch_size=4,
+        epochs=2,
+        shuffle=False,
+        save_dir=str(ckpts),
+        resume="auto",
+        progress=False,
+    )
+    assert "resume: adapter.dropout 0.0 -> 0.1" in capsys.readouterr().out
+
+
+def test_a_changed_method_option_is_said_at_the_resume():
+    from framework.checkpoint.compatibility import changed_hyperparameters, method_record
+    from framework.methods import DPO
+
+    saved, now = method_record(DPO(beta=0.1)), method_record(DPO(beta=0.2))
+    assert changed_hyperparameters({}, {}, saved, now) == [
+        "DPO beta 0.1 -> 0.2 (objective.beta; the checkpoint trained with the first)"
+    ]
+    assert changed_hyperparameters({}, {}, saved, method_record(DPO(beta=0.1))) == []

@@ -20,24 +20,34 @@ def write_base(directory: str | Path, seed: int = 0, hidden_size: int = 32) -> P
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=V, hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=T,
-    )  # fmt: skip
+        vocab_size=V,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=T,
+    )
     torch.manual_seed(seed)
     transformers.LlamaForCausalLM(config).save_pretrained(directory)
     return Path(directory)
 
 
-def lora():
+def lora(alpha: int = 8, dropout: float = 0.0, use_dora: bool = False):
     """The adapter the tests train: r=4 on every linear layer."""
     import peft
 
     return peft.LoraConfig(
-        r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+        r=4,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules="all-linear",
+        task_type="CAUSAL_LM",
+        use_dora=use_dora,
     )
 
 
-def adapter_engine(base: Path, stage: int = 0):
+def adapter_engine(base: Path, stage: int = 0, **adapter):
     """An Engine that trains `lora()` on the model of `base` (loaded from the directory, as
     `model=hf_causal_lm model.path=DIR` does)."""
     import transformers
@@ -46,9 +56,12 @@ def adapter_engine(base: Path, stage: int = 0):
 
     model = transformers.AutoModelForCausalLM.from_pretrained(base)
     return Engine(
-        model, "model", functools.partial(torch.optim.SGD, lr=0.5), strategy=Strategy(sharding={"stage": stage}),
-        adapter=lora(),
-    )  # fmt: skip
+        model,
+        "model",
+        functools.partial(torch.optim.SGD, lr=0.5),
+        strategy=Strategy(sharding={"stage": stage}),
+        adapter=lora(**adapter),
+    )
 
 
 def token_data(rows: int = 12) -> list[dict[str, torch.Tensor]]:
