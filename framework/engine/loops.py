@@ -90,7 +90,8 @@ def plan_fit(host: Host, train_data: Any, cfg: FitConfig) -> tuple[RunPlan, Any]
             collate_fn=cfg.collate_fn,
             num_workers=cfg.num_workers,
         )
-        budget = step_budget(layout, len(loader), cfg.epochs, cfg.steps_per_epoch, cfg.max_steps)
+        samples = data_lib.dataset_len(train_data)
+        budget = step_budget(layout, len(loader), cfg.epochs, cfg.steps_per_epoch, cfg.max_steps, samples)
     budget = _with_updates(budget, host)
     resume_from = checkpoint.resolve(cfg.resume, cfg.save_dir, runtime.process) if cfg.resume else None
     universal = resume_from is not None and checkpoint.needs_universal(resume_from, runtime.mesh)
