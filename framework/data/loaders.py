@@ -108,11 +108,15 @@ def stream_loader(
     collate_fn: Callable | None = None,
     num_workers: int = 0,
     drop_last: bool = True,
+    to_the_end: bool = False,
 ) -> StreamLoader:
     """This rank's loader of a stream (`framework.data.streams`): a `Stream` as it says, other
-    iterable data with the shuffle window and seed given."""
+    iterable data with the shuffle window and seed given; `to_the_end`: every item of the rank's
+    shards (evaluation), not a pass that ends at its first empty slot (training's order)."""
     stream = as_stream(data, shuffle_window, seed)
-    return StreamLoader(stream, micro_batch_size, dp_size, dp_rank, num_workers, drop_last, collate_fn)
+    return StreamLoader(
+        stream, micro_batch_size, dp_size, dp_rank, num_workers, drop_last, collate_fn, to_the_end
+    )
 
 
 def eval_loader(
