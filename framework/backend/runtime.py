@@ -56,6 +56,7 @@ class Runtime(RuntimeState):
         self._last_grad_norm: torch.Tensor | None = None
         self._copier: Copier | None = None
         self._open_backward = False  # `backward` ran since the last `step`
+        self.backward_calls = 0  # backward passes so far (a step call with none trained nothing)
         self.timer: Any = None  # a throughput.PhaseTimer while a fit measures its steps
 
     # ------------------------------------------------------------------ building
@@ -184,6 +185,7 @@ class Runtime(RuntimeState):
         """Backward + step of one micro-batch; DeepSpeed applies the update at accumulation boundaries."""
         ds, timer = self.deepspeed_engine, self.timer
         start = timer.now() if timer is not None else None
+        self.backward_calls += 1
         ds.backward(loss)
         middle = timer.now() if timer is not None else None
         if ds.is_gradient_accumulation_boundary():
@@ -196,6 +198,7 @@ class Runtime(RuntimeState):
     def backward(self, loss: torch.Tensor) -> None:
         """A backward pass that `step` closes (any number of them before one step): each is a
         non-boundary micro-step, the loss used as given."""
+        self.backward_calls += 1
         self.deepspeed_engine.set_gradient_accumulation_boundary(False)
         self.deepspeed_engine.backward(loss, scale_wrt_gas=False)
         self._open_backward = True

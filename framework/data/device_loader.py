@@ -9,7 +9,6 @@ from typing import Any
 
 from framework.data.loaders import Prefetcher
 from framework.data.outputs import batch_size_of
-from framework.errors import ConfigError
 
 
 class DeviceLoader:
@@ -23,7 +22,8 @@ class DeviceLoader:
     Over a stream (a `StreamLoader`), `agree(flag) -> bool` (True on every rank when `flag` is
     True on every rank) makes the ranks end an epoch together: training stops at the first batch
     one rank lacks; evaluation (`pad=True`) runs until every rank's stream has ended, a rank whose
-    stream ended handing out its last batch again, all of it padding.
+    stream ended handing out its last batch again, all of it padding (a rank whose share is empty
+    pads with a sample of the stream: `StreamLoader.padding_batch`).
     """
 
     def __init__(
@@ -92,24 +92,26 @@ class DeviceLoader:
         if self.agree is None:
             yield from source
             return
-        last, first = None, True
+        last = None
         while True:
             got = next(source, None)
-            if first and self.pad and not self.agree(got is not None) and not self.agree(got is None):
-                # some ranks have data and some none: every rank says so (none waits for a peer)
-                raise ConfigError(
-                    "a rank's share of the stream is empty (fewer samples than ranks): use fewer ranks "
-                    "or more data"
-                )
-            first = False
             more = not self.agree(got is None) if self.pad else self.agree(got is not None)
             if not more:
                 return
+            if got is None and last is None:  # this rank's share is empty: it pads with any sample
+                last = (self._on_device(self.loader.padding_batch()), 0)
             if got is not None:
                 last = got
                 yield got
-            elif last is not None:  # (after the first batch: a rank with none ended above)
+            else:
+                assert last is not None
                 yield last[0], 0  # padding: every sample of it is left out
+
+    def _on_device(self, batch: Any) -> Any:
+        """A batch moved as the prefetcher moves them (`transfer`, or a Copier's copy and ready)."""
+        moved = getattr(self.transfer, "copy", self.transfer)(batch)
+        ready = getattr(self.transfer, "ready", None)
+        return ready(moved) if ready is not None else moved
 
 
 def set_epoch(loader: Any, epoch: int) -> None:

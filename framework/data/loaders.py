@@ -68,7 +68,12 @@ def train_loader(
 ) -> StatefulDataLoader:
     """This rank's training loader: `micro_batch_size` samples per batch, its own shard.
 
-    Batches are dropped at the end of a shard so every rank takes the same number of steps.
+    With `drop_last` (training's way) an epoch is cut the same on every layout: the shuffled
+    order is cut to whole rounds of the ranks and batches to whole micro-batches, so an epoch
+    holds the first `n // G * G` samples of its order in global batches of G, whatever the
+    number of ranks (a sampler that padded by repeating samples gave 2 ranks one more step
+    than 1). `drop_last=False` (a user's `DataLoader` kept as it is) pads shards to equal
+    length by repeating samples, as `DistributedSampler` does.
     """
     n = dataset_len(dataset)
     if n // dp_size < micro_batch_size:
@@ -77,7 +82,7 @@ def train_loader(
             "use a smaller batch size"
         )
     sampler: DistributedSampler = DistributedSampler(
-        dataset, num_replicas=dp_size, rank=dp_rank, shuffle=shuffle, seed=seed
+        dataset, num_replicas=dp_size, rank=dp_rank, shuffle=shuffle, seed=seed, drop_last=drop_last
     )
     # torchdata's loader calls torch.set_vital on each iterator, which torch has deprecated: a
     # warning on every run that no user can act on (torchdata's to mend, not ours or theirs).
@@ -103,11 +108,15 @@ def stream_loader(
     collate_fn: Callable | None = None,
     num_workers: int = 0,
     drop_last: bool = True,
+    to_the_end: bool = False,
 ) -> StreamLoader:
     """This rank's loader of a stream (`framework.data.streams`): a `Stream` as it says, other
-    iterable data with the shuffle window and seed given."""
+    iterable data with the shuffle window and seed given; `to_the_end`: every item of the rank's
+    shards (evaluation), not a pass that ends at its first empty slot (training's order)."""
     stream = as_stream(data, shuffle_window, seed)
-    return StreamLoader(stream, micro_batch_size, dp_size, dp_rank, num_workers, drop_last, collate_fn)
+    return StreamLoader(
+        stream, micro_batch_size, dp_size, dp_rank, num_workers, drop_last, collate_fn, to_the_end
+    )
 
 
 def eval_loader(

@@ -8,7 +8,9 @@ another one too (its ranks' shard positions merged).
 
 A rank's stream ends at its first empty slot; the ranks agree on where a pass ends (the loop
 before each optimizer step, evaluation before each batch: `framework.data.loaders.DeviceLoader`),
-so no rank waits in a collective another rank never reaches.
+so no rank waits in a collective another rank never reaches. An evaluation pass (`to_the_end`)
+reads every shard of the rank to its end instead: every item counts once, and the order (which
+only makes training's global batches) does not matter there.
 """
 
 from __future__ import annotations
@@ -80,9 +82,18 @@ class _Readers(torch.utils.data.IterableDataset):
     """One rank's readers as a torch dataset: in loader worker j (of W) it is reader
     rank + D * ((j + first) mod W), so the loader's round robin over workers is the rank's slot order."""
 
-    def __init__(self, stream: Stream, dp_size: int, dp_rank: int, epoch: int, resume: dict, first: int):
+    def __init__(
+        self,
+        stream: Stream,
+        dp_size: int,
+        dp_rank: int,
+        epoch: int,
+        resume: dict,
+        first: int,
+        to_the_end: bool,
+    ):
         self.stream, self.dp_size, self.dp_rank = stream, dp_size, dp_rank
-        self.epoch, self.resume, self.first = epoch, resume, first
+        self.epoch, self.resume, self.first, self.to_the_end = epoch, resume, first, to_the_end
 
     def __iter__(self) -> Iterator[tuple[list[tuple[Any, int, Resume]], int, int | None]]:
         """Groups of this reader's items (one message per group from a worker), with the
@@ -93,7 +104,7 @@ class _Readers(torch.utils.data.IterableDataset):
         worker = (index + self.first) % workers
         reader = self.dp_rank + self.dp_size * worker
         group: list[tuple[Any, int, Resume]] = []
-        source = Reader(self.stream, reader, self.dp_size * workers, self.epoch, self.resume)
+        source = Reader(self.stream, reader, self.dp_size * workers, self.epoch, self.resume, self.to_the_end)
         for item in source:
             group.append(item)
             if len(group) == GROUP:
@@ -116,7 +127,8 @@ def _one_line_errors(groups: Iterator[Any]) -> Iterator[Any]:
 
 class StreamLoader:
     """This rank's micro-batches of `stream` (see the module doc); `drop_last=False` hands out a
-    last, smaller batch too (evaluation), whose size is `last_size`."""
+    last, smaller batch too (evaluation), whose size is `last_size`; `to_the_end` reads every
+    shard of the rank to its end, in the order its readers hand items over (evaluation)."""
 
     def __init__(
         self,
@@ -127,13 +139,14 @@ class StreamLoader:
         num_workers: int = 0,
         drop_last: bool = True,
         collate_fn: Callable | None = None,
+        to_the_end: bool = False,
     ):
         whole_number("micro_batch_size={}", micro_batch_size, 1)
         whole_number("num_workers={} (data.num_workers)", num_workers, 0)
         stream.readers(dp_size, num_workers)  # the layout divides the shards, or one line
         self.stream, self.batch_size = stream, int(micro_batch_size)
         self.dp_size, self.dp_rank, self.num_workers = dp_size, dp_rank, int(num_workers)
-        self.drop_last = drop_last
+        self.drop_last, self.to_the_end = drop_last, to_the_end
         self.collate = collate_fn or stream.collate_fn or collate_items
         self.epoch = 0
         self._consumed = (
@@ -183,7 +196,10 @@ class StreamLoader:
         calling thread (the prefetch thread that reads the batches must not fork them)."""
         workers = max(1, self.num_workers)
         first = (self._consumed // self.dp_size) % workers
-        readers = _Readers(self.stream, self.dp_size, self.dp_rank, self.epoch, dict(self._resume), first)
+        resume = dict(self._resume)
+        readers = _Readers(
+            self.stream, self.dp_size, self.dp_rank, self.epoch, resume, first, self.to_the_end
+        )
         loader = torch.utils.data.DataLoader(
             readers,
             batch_size=None,
@@ -196,6 +212,9 @@ class StreamLoader:
     def _items(self, groups: Iterator[Any], workers: int) -> Iterator[tuple[Any, int, Resume]]:
         """This rank's items in slot order (item, slot, its shard's Resume), ending at its first
         empty slot: the next slot is missing and the reader that owns it has ended."""
+        if self.to_the_end:
+            yield from self._all_items(groups)
+            return
         expected, ended = self._consumed + self.dp_rank, set()
         waiting: dict[int, tuple[Any, Resume]] = {}  # items of later slots, from the other workers
 
@@ -214,6 +233,19 @@ class StreamLoader:
                 expected += self.dp_size
             if owner(expected) in ended:
                 return
+
+    def _all_items(self, groups: Iterator[Any]) -> Iterator[tuple[Any, int, Resume]]:
+        """Every item of this rank's readers, as they hand them over (`to_the_end`)."""
+        for group, _, total in _one_line_errors(groups):
+            self.total = total if total is not None and total >= 0 else self.total
+            yield from group
+
+    def padding_batch(self) -> Any:
+        """A batch of the stream's first item, from any shard: what a rank whose share of an
+        evaluation pass is empty runs while the others evaluate (padding: it counts for nothing)."""
+        for item, _, _ in Reader(self.stream, 0, 1, self.epoch, {}, to_the_end=True):
+            return self.collate([item])
+        raise ConfigError("the stream is empty: give data with at least one sample")
 
     def left_behind(self, total: int) -> int:
         """Source examples of this rank's shards that a pass of `total` examples did not reach

@@ -261,10 +261,20 @@ class _Shard:
 class Reader:
     """Reader `reader` of `readers`: its shards' items in global-slot order for pass `epoch`, each
     as (item, global slot, its shard's `Resume` after it); `resume` says where each shard
-    continues (a shard absent from it starts at the beginning)."""
+    continues (a shard absent from it starts at the beginning). It ends at its first empty slot,
+    or with `to_the_end` once every one of its shards has ended (evaluation: every item counts,
+    the order does not)."""
 
-    def __init__(self, stream: Stream, reader: int, readers: int, epoch: int, resume: dict[int, Resume]):
-        self.stream, self.epoch = stream, epoch
+    def __init__(
+        self,
+        stream: Stream,
+        reader: int,
+        readers: int,
+        epoch: int,
+        resume: dict[int, Resume],
+        to_the_end: bool = False,
+    ):
+        self.stream, self.epoch, self.to_the_end = stream, epoch, to_the_end
         self.total: int | None = None  # the pass's source examples, once this reader read them all
         self.shards = {
             c: _Shard(resume.get(c) or Resume(0, None, c), stream.shard_transform())
@@ -278,9 +288,10 @@ class Reader:
         known: dict[int, Any] = {}  # chunk -> source position at its start
         index, ended = first.chunk, False
         read = index * size  # source examples before the next chunk
-        while True:
-            c = min(shards, key=lambda k: (shards[k].resume.items, k))  # the next global slot
-            shard = shards[c]
+        live = dict(shards)  # the shards that may still have items
+        while live:
+            c = min(live, key=lambda k: (live[k].resume.items, k))  # the next global slot
+            shard = live[c]
             while not shard.ready and not ended:
                 try:
                     start, examples, after = next(chunks)
@@ -293,7 +304,10 @@ class Reader:
                 self._dispatch(index, examples)
                 index, read = index + 1, read + len(examples)
             if not shard.ready:
-                return  # this reader's first empty slot: the pass ends there
+                if not self.to_the_end:
+                    return  # this reader's first empty slot: the pass ends there
+                del live[c]
+                continue
             item, (position, offset) = shard.ready.pop(0)
             chunk = min(position // size, index)  # a chunk read, or the next one (its start is known)
             shard.resume = Resume(chunk, known.get(chunk), position, offset, shard.resume.items + 1)

@@ -7,7 +7,6 @@ calls `train_epoch` once per epoch).
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import sys
 from collections.abc import Callable
@@ -17,8 +16,8 @@ from framework.data import loaders as data_lib
 from framework.data.outputs import batch_size_of
 from framework.data.stream_loader import StreamLoader
 from framework.engine.evaluation import Host
-from framework.engine.items import StepWeights, counted_windows, window_weights
-from framework.engine.steps import apply_train_result, bind_step, counter_of, default_train_step, owner
+from framework.engine.step_caller import CountedStep, train_step_caller
+from framework.engine.steps import apply_train_result, owner
 from framework.observe.callbacks import CallbackList, Event
 from framework.observe.state import LoopState
 from framework.observe.throughput import Speedometer
@@ -30,8 +29,6 @@ from framework.process.context import ProcessContext
 MAX_IDLE_CALLS = 10_000
 # A pass that leaves more than this share of a stream's source untrained says so at its end.
 LEFT_SHARE = 0.02
-# Micro-batches whose items the framework's step counts in one all-reduce, on the CPU.
-COUNT_AHEAD = 16
 
 
 def train_epoch(
@@ -56,7 +53,7 @@ def train_epoch(
 
     data = _EpochData(host, loader, budget)
     batches = data.batches
-    step = _train_step_caller(host, batches, data.stream)
+    step = train_step_caller(host, batches, data.stream)
     # A middle pipeline stage pulls no data, so every rank counts train_batch calls instead.
     pipeline_calls = budget.steps_per_epoch if runtime.strategy.uses_pipeline else None
     pending: list[Any] = []  # losses of the optimizer step in progress (dropped if fp16 skips it)
@@ -70,7 +67,7 @@ def train_epoch(
             runtime.grad_norm_wanted = (st.global_step + 1) % max(1, log_freq) == 0  # ZeRO-0 computes it then
             try:
                 with speed.counting() if speed is not None else contextlib.nullcontext():
-                    loss = apply_train_result(host, _timed(step, batches, speed))
+                    loss = data.call(host, step, speed)
             except StopIteration:
                 _cut_short(host, events, pending, boundaries, skipped, log_freq, speed)
                 break
@@ -78,7 +75,7 @@ def train_epoch(
             if loss is not None:
                 pending.append(loss)
             _after_step(host, pending, boundaries, skipped, log_freq, speed)
-            if st.log_now and isinstance(step, _CountedStep) and step.counted is not None:
+            if st.log_now and isinstance(step, CountedStep) and step.counted is not None:
                 st.logs["counted_items"] = step.counted.items()  # e.g. the tokens the loss counted
             data.need = max(data.need, batches.fetched - fetched)
             idle_calls = idle_calls + 1 if batches.fetched == fetched and pipeline_calls is None else 0
@@ -86,12 +83,12 @@ def train_epoch(
                 raise RuntimeError(f"the training step pulled no batch in {MAX_IDLE_CALLS} consecutive calls")
             events.fire(Event.STEP_END, st)
     finally:
-        if isinstance(step, _CountedStep):
+        if isinstance(step, CountedStep):
             step.close()
         data.source.close()
     if isinstance(loader, StreamLoader):
         data.report_left(loader)
-    return _epoch_logs(host, pending)
+    return _epoch_logs(host, pending, with_loss=not data.report_skipped(st, step))
 
 
 class _EpochData:
@@ -103,6 +100,7 @@ class _EpochData:
         st, runtime = host.state, host.runtime
         self.stream, self.runtime = isinstance(loader, StreamLoader), runtime
         self.ran_out = False  # the pass ended because the stream did (on some rank)
+        self.skipped = 0  # batches the step skipped on this rank (returned None, no backward pass)
         self.need = runtime.strategy.accumulation_steps  # batches of the next optimizer step (or step call)
 
         def on_fetch(batch: Any) -> None:
@@ -117,6 +115,34 @@ class _EpochData:
         limit = _batch_limit(host, None if self.stream else len(loader), budget)
         left = None if limit is None else limit - st.batches_in_epoch
         self.batches = data_lib.BatchIterator(self.source, on_fetch, left)
+
+    def call(self, host: Host, step: Callable[[], Any], speed: Speedometer | None) -> Any:
+        """Call the step once and act on its result; its loss, still on the device. A call that
+        returned None and ran no backward pass skipped its batches (Lightning's way to skip one)."""
+        backwards, fetched = self.runtime.backward_calls, self.batches.fetched
+        result = _timed(step, self.batches, speed)
+        if result is None and self.runtime.backward_calls == backwards:
+            self.skipped += self.batches.fetched - fetched
+        return apply_train_result(host, result)
+
+    def report_skipped(self, st: LoopState, step: Any) -> bool:
+        """The batches a step of the user's skipped this epoch, summed over the data-parallel
+        ranks into `st.skipped_batches` (every rank takes part); the first epoch that skipped some
+        and trained says so on rank 0, one line. True when the step skipped every batch."""
+        if isinstance(step, CountedStep) or self.runtime.strategy.uses_pipeline:  # the framework's steps
+            return False
+        process, mp = self.runtime.process, self.runtime.mesh.mp_size
+        counts = process.all_gather_object((self.skipped, self.batches.fetched))
+        skipped, fetched = (sum(c[i] for c in counts) // mp for i in (0, 1))
+        if skipped and not st.skipped_batches and st.global_step and process.is_main:
+            print(
+                f"warning: the training step skipped {skipped:,} of the {fetched:,} batches of epoch {st.epoch + 1} "
+                "(it returned None): nothing was trained on them, and the logged loss leaves them out",
+                file=sys.stderr,
+                flush=True,
+            )
+        st.skipped_batches += skipped
+        return bool(skipped) and skipped == fetched
 
     def pass_over(self, st: LoopState, pipeline_calls: int | None, steps_per_epoch: int | None) -> bool:
         """True when the pass has no step left: its budget spent (`_budget_over`), no batch left,
@@ -174,16 +200,18 @@ def _cut_short(
         events.fire(Event.STEP_END, host.state)
 
 
-def _epoch_logs(host: Host, pending: list[Any]) -> dict[str, Any]:
-    """The epoch's mean loss over all ranks, lr and training metrics; NaN/inf since the last
-    logging point stops training here."""
+def _epoch_logs(host: Host, pending: list[Any], with_loss: bool = True) -> dict[str, Any]:
+    """The epoch's mean loss over all ranks (none when the step skipped every batch: never a
+    0.0 that no batch gave), lr and training metrics; NaN/inf since the last logging point stops
+    training here."""
     st = host.state
     for loss in pending:  # an accumulation the epoch ended in the middle of
         st.window_loss.add(loss, st.global_step)
         st.epoch_loss.add(loss, st.global_step)
     _reduced_window_loss(st, host.runtime.process, keep=True)  # the next record's window goes on
     mean = host.runtime.process.all_reduce_mean
-    logs: dict[str, Any] = {"loss": mean(st.epoch_loss.mean()), "lr": host.runtime.lr}
+    loss = mean(st.epoch_loss.mean())
+    logs: dict[str, Any] = {"loss": loss, "lr": host.runtime.lr} if with_loss else {"lr": host.runtime.lr}
     logs.update(host.metrics.train.compute())
     return logs
 
@@ -291,84 +319,3 @@ def _reduced_window_loss(st: LoopState, process: ProcessContext, keep: bool = Fa
         step = process.all_reduce_min(bad[0] if bad else st.global_step)
         raise st.non_finite_error(step, bad[1] if bad else value)
     return value
-
-
-def _train_step_caller(
-    host: Host, batches: data_lib.BatchIterator, stream: bool = False
-) -> Callable[[], Any]:
-    """A zero-argument call of the host's step flavour on `batches`: the pipeline's, a custom
-    step's, or a step whose loss averages over counted items (the framework's own, a method
-    with `items`), which gets each micro-batch's weight (`framework.engine.items`)."""
-    if host.runtime.strategy.uses_pipeline:
-        return lambda: {"loss": host.runtime.train_batch(batches)}
-    rt = host.runtime
-    device = rt.process.collective_device
-    step = host.train_step_fn
-    if step is None:
-
-        def count_default(steps: list[list[Any]]) -> list[StepWeights] | None:
-            return window_weights(steps, host.loss, host.module, host.label_key, rt.mesh, device)
-
-        return _CountedStep(host, batches, stream, functools.partial(default_train_step, host), count_default)
-    items = counter_of(step)
-    if items is None:
-        call = bind_step(step)
-        return lambda: call(host, batches)
-
-    def count_items(steps: list[list[Any]]) -> list[StepWeights] | None:
-        return counted_windows(steps, items, rt.mesh, device=device)
-
-    def run(batch: Any, weight: Any) -> Any:  # a method gets its weight as a tensor (or None)
-        return step(host, batch, weight() if callable(weight) else weight)
-
-    return _CountedStep(host, batches, stream, run, count_items)
-
-
-class _CountedStep:
-    """A step of one micro-batch per call, each weighted by its share of its optimizer step's
-    items (`framework.engine.items`): the framework's own, or a method's with `items`. On the
-    CPU the items of several optimizer steps ahead (`COUNT_AHEAD` micro-batches) are counted in
-    one all-reduce: a gloo collective costs each rank ~0.3 ms of host time whatever it carries,
-    as much as the rest of the step's bookkeeping (`benchmarks.exactness`). On CUDA the count's
-    all-reduce is queued on the device and the host never waits for it, so each step counts its
-    own. Over a stream, whose ranks may reach its end at different steps, each step counts its
-    own too."""
-
-    def __init__(
-        self,
-        host: Host,
-        batches: data_lib.BatchIterator,
-        stream: bool,
-        run: Callable[[Any, Any], Any],
-        count: Callable[[list[list[Any]]], list[StepWeights] | None],
-    ):
-        self.host, self.batches, self.run, self.count = host, batches, run, count
-        rt = host.runtime
-        self.acc = rt.strategy.accumulation_steps
-        self.steps_ahead = 1 if rt.process.cuda or stream else max(1, COUNT_AHEAD // self.acc)
-        self.weights: list[Any] = []  # the counted micro-batches' weights still to use, in order
-        self.windows: list[StepWeights] = []
-        self.steps: list[StepWeights | None] = []  # the optimizer step of each weight in `weights`
-        self.counted: StepWeights | None = None  # the step of the last micro-batch run
-
-    def __call__(self) -> Any:
-        if not self.weights:  # an optimizer step begins: count the items of its global batch (and more)
-            self._count()
-        self.counted = self.steps.pop(0) if self.steps else None
-        return self.run(next(self.batches), self.weights.pop(0))
-
-    def _count(self) -> None:
-        ahead = self.batches.peek_many(self.acc * self.steps_ahead)
-        steps = [ahead[i : i + self.acc] for i in range(0, len(ahead), self.acc)] or [[]]
-        found = self.count(steps)
-        self.windows = found or []
-        for i, step in enumerate(steps):
-            self.weights.extend(found[i].weight(j) if found else None for j in range(len(step)))
-            self.steps.extend((found[i] if found else None) for _ in step)
-        if not self.weights:
-            self.weights.append(None)  # no batch left: the step's next() ends the epoch
-
-    def close(self) -> None:
-        """Finish a count still in flight (the epoch ended before its steps ran)."""
-        for weights in self.windows:
-            weights.settle()

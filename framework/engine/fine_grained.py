@@ -179,6 +179,7 @@ def _stream_dataloader(
         collate_fn,
         num_workers,
         drop_last=train,
+        to_the_end=mode == "eval",  # every sample counts once; predict keeps the order
     )
     host.prepare(mode, batch_size if train else None)
     return DeviceLoader(

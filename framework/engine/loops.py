@@ -90,7 +90,8 @@ def plan_fit(host: Host, train_data: Any, cfg: FitConfig) -> tuple[RunPlan, Any]
             collate_fn=cfg.collate_fn,
             num_workers=cfg.num_workers,
         )
-        budget = step_budget(layout, len(loader), cfg.epochs, cfg.steps_per_epoch, cfg.max_steps)
+        samples = data_lib.dataset_len(train_data)
+        budget = step_budget(layout, len(loader), cfg.epochs, cfg.steps_per_epoch, cfg.max_steps, samples)
     budget = _with_updates(budget, host)
     resume_from = checkpoint.resolve(cfg.resume, cfg.save_dir, runtime.process) if cfg.resume else None
     universal = resume_from is not None and checkpoint.needs_universal(resume_from, runtime.mesh)
@@ -181,7 +182,7 @@ def _epochs(
             _restore_position(loader, st)
         logs = train_epoch(host, events, loader, budget, cfg.log_freq, resuming, speed)
         if st.global_step == st.skipped_steps == 0 and not st.stop_training:  # a run that did not happen
-            raise ConfigError(_no_step(loader, cfg))
+            raise ConfigError(_no_step(loader, cfg, st.skipped_batches))
         preempted = st.stop_reason.startswith("preempted")  # leave at once: the job is being stopped
         if valid_data is not None and (epoch + 1) % cfg.valid_freq == 0 and not preempted:
             logs.update(_validate(host, events, valid_data, cfg, logs=logs))
@@ -198,8 +199,14 @@ def _epochs(
         )
 
 
-def _no_step(loader: Any, cfg: FitConfig) -> str:
-    """Why a pass trained no optimizer step, in one line."""
+def _no_step(loader: Any, cfg: FitConfig, skipped: int = 0) -> str:
+    """Why a pass trained no optimizer step, in one line: the training step skipped the batches
+    it was given (`skipped` of them), or the data ran out before one global batch."""
+    if skipped:
+        return (
+            f"no optimizer step was trained: the training step skipped the {skipped:,} batch(es) it was given "
+            "(it returned None, which skips a batch); return the batch's loss to train on it"
+        )
     what = "the training stream" if isinstance(loader, StreamLoader) else "the training data"
     return (
         f"no optimizer step was trained: {what} ran out (on some rank) before one global batch of "

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
 import hashlib
 import sys
 import warnings
@@ -125,6 +126,7 @@ def adapt(model: nn.Module, config: Any, causal_lm: bool = False) -> nn.Module:
     if causal_lm and getattr(config, "task_type", None) is None:
         config = copy.copy(config)
         config.task_type = "CAUSAL_LM"
+    _check_saved(model, getattr(config, "modules_to_save", None))
     try:
         with _quiet():
             return get_peft_model(model, config)
@@ -139,6 +141,23 @@ def _quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         yield
+
+
+def _check_saved(model: nn.Module, names: Any) -> None:
+    """Every `modules_to_save` entry names a module of `model` (peft's rule: a module whose name
+    ends with it), or one line: peft would train as if it did, with nothing copied or trained."""
+    if not names:
+        return
+    found = [key for key, _ in model.named_modules() if key]
+    missing = [str(name) for name in names if not any(key.endswith(str(name)) for key in found)]
+    if not missing:
+        return
+    last = sorted({key.rsplit(".", 1)[-1] for key in found if not key.rsplit(".", 1)[-1].isdigit()})
+    near = sorted({m for name in missing for m in difflib.get_close_matches(name, last, n=2)}) or last[:6]
+    raise ConfigError(
+        f"adapter: modules_to_save {missing} not found in the base model ({type(model).__name__}); "
+        f"name modules it has (its module names end with them), e.g. {', '.join(near)}"
+    )
 
 
 def _numel(p: torch.Tensor) -> int:

@@ -117,6 +117,7 @@ class LoopState:
     batches_fetched: int = 0  # batches fetched over the whole run
     samples_seen: int = 0  # samples (global, all ranks) over the whole run
     skipped_steps: int = 0  # optimizer steps skipped by the fp16 loss scaler (overflow)
+    skipped_batches: int = 0  # batches the training step skipped (returned None), all ranks, this run
     global_batch_size: int = 0
     epoch_loss: LossMeter = field(default_factory=LossMeter)  # this rank's step losses, this epoch
     window_loss: LossMeter = field(default_factory=LossMeter)  # ... since the last logged step

@@ -187,8 +187,10 @@ def step_budget(
     epochs: int,
     steps_per_epoch: int | None = None,
     max_steps: int | None = None,
+    samples: int | None = None,
 ) -> Budget:
-    """The budget of `epochs` epochs over a loader of `loader_batches` micro-batches per rank.
+    """The budget of `epochs` epochs over a loader of `loader_batches` micro-batches per rank
+    (of a data set of `samples`, when known: what an epoch leaves out is then said once).
 
     An epoch ends at an optimizer-step boundary: the micro-batches that cannot fill a whole
     accumulation at its end are left out (Paddle's choice; the next epoch starts a fresh step),
@@ -197,6 +199,7 @@ def step_budget(
     flavour."""
     acc = layout.accumulation_steps
     steps = loader_batches // acc
+    notes = _left_out(layout, steps, samples, steps_per_epoch, max_steps)
     if steps_per_epoch is not None:
         steps = min(steps, steps_per_epoch)
     if steps < 1:
@@ -207,8 +210,24 @@ def step_budget(
     total = epochs * steps
     if max_steps:
         total = min(total, max_steps)
-    return Budget(
-        epochs, steps * acc, steps, total, max_steps, _unreached_max_steps(epochs, steps, max_steps)
+    notes += _unreached_max_steps(epochs, steps, max_steps)
+    return Budget(epochs, steps * acc, steps, total, max_steps, notes)
+
+
+def _left_out(
+    layout: BatchLayout, steps: int, samples: int | None, steps_per_epoch: int | None, max_steps: int | None
+) -> tuple[str, ...]:
+    """The line for the samples each epoch leaves out because they do not fill a global batch
+    (empty when none are, or when `steps_per_epoch` or `max_steps` end epochs sooner anyway)."""
+    batch = layout.global_batch_size
+    trained = steps * batch
+    capped = (steps_per_epoch is not None and steps_per_epoch < steps) or (max_steps or steps) < steps
+    if samples is None or trained >= samples or steps < 1 or capped:
+        return ()
+    return (
+        f"an epoch trains {trained:,} of the {samples:,} samples: the last {samples - trained:,} of its order "
+        f"do not fill a global batch of {batch} and are left out (a batch size that divides {samples:,} trains "
+        "every one: trainer.batch_size)",
     )
 
 

@@ -70,9 +70,13 @@ def plain(config: Any, key: str = "") -> Any:
     return config
 
 
+def _required(key: str) -> str:
+    return f"{key} is required: give it (e.g. {key}=VALUE on the command line)"
+
+
 def _unreadable(key: str, exc: Exception) -> str:
     if type(exc).__name__ == "MissingMandatoryValue":
-        return f"{key} is required: give it (e.g. {key}=VALUE on the command line)"
+        return _required(key)
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return f"{key}: {first}"
 
@@ -94,6 +98,21 @@ def check(tree: dict[str, Any]) -> None:
     for key in ("model", "data.dataset"):
         if select(tree, key, MISSING) == MISSING:
             raise ConfigError(f"{key} is required: choose one ({key.split('.')[0]}=...) or give its _target_")
+    missing = _first_missing(tree)
+    if missing is not None:
+        raise ConfigError(_required(missing))
+
+
+def _first_missing(node: Any, key: str = "") -> str | None:
+    """The key of the first value left `???` (a config resolved to plain data keeps OmegaConf's
+    marker as a string: `model.path` of model=hf_causal_lm), or None."""
+    if isinstance(node, dict):
+        children: Any = ((f"{key}.{k}" if key else str(k), v) for k, v in node.items())
+    elif isinstance(node, list):
+        children = ((f"{key}[{i}]", v) for i, v in enumerate(node))
+    else:
+        return key if isinstance(node, str) and node == MISSING else None
+    return next((found for name, value in children if (found := _first_missing(value, name))), None)
 
 
 def check_ranges(tree: dict[str, Any]) -> None:

@@ -406,6 +406,42 @@ def test_a_pass_that_leaves_data_untrained_says_how_much(capsys):
     assert even.state.global_step == 10 and "warning" not in capsys.readouterr().err
 
 
+class Blocks:
+    """A shard transform that makes 8 items of each example (a long document packed into 8 blocks)."""
+
+    def __init__(self, shards):
+        self.shards = shards
+
+    def feed(self, position, example, offset=0):
+        return [(example, (position + self.shards, 0))] * 8
+
+    def flush(self):
+        return []
+
+
+def test_an_evaluation_pass_reads_every_shard_of_its_rank_to_the_end():
+    """10 documents of 8 blocks each in 64 shards (hf_stream's validation of a 200-document file):
+    a pass that ends at its first empty slot evaluated 10 of the 80 blocks, silently. Read to the
+    end, every block counts once, on 1 and 2 ranks, with loader workers too; a rank whose share is
+    empty (one document, all in shard 0) pads with a sample of the stream instead of refusing."""
+    stream = Stream([{"id": i} for i in range(10)], Blocks, shards=64)
+
+    def evaluated(ranks, workers=0, to_the_end=True):
+        return sorted(
+            i
+            for rank in range(ranks)
+            for batch in StreamLoader(stream, 4, ranks, rank, workers, False, to_the_end=to_the_end)
+            for i in batch["id"].tolist()
+        )
+
+    assert evaluated(2, to_the_end=False) == list(range(10))  # training's pass: to the first empty slot
+    every = sorted(list(range(10)) * 8)
+    assert evaluated(1) == evaluated(2) == evaluated(2, workers=2) == every
+    one = Stream([{"id": 5}], Blocks, shards=64)
+    empty = StreamLoader(one, 4, 2, 1, drop_last=False, to_the_end=True)
+    assert list(empty) == [] and empty.padding_batch()["id"].tolist() == [5]
+
+
 @pytest.mark.parametrize("samples", [0, 40])
 def test_a_run_that_trains_no_step_fails_and_saves_nothing(tmp_path, samples):
     """An empty stream, or one shorter than one global batch, reported success: rc 0, a final

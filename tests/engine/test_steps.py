@@ -145,6 +145,45 @@ def test_manual_step_returns_metrics_and_drives_the_optimizer():
     assert engine.state.global_step == 4 and history["loss"] == [1.5]
 
 
+def test_a_step_that_skips_every_batch_is_named_as_the_cause_not_the_data():
+    """A step returning None skips its batch (Lightning's way): one that skipped all 5 failed with
+    "the training data ran out before one global batch", which was false. A step that drives the
+    optimizer itself and returns None has skipped nothing."""
+    with pytest.raises(ConfigError) as error:
+        engine_with(lambda engine, batch: None).fit(dataset(5), epochs=1, batch_size=8, progress=False)
+    assert str(error.value).startswith("no optimizer step was trained: the training step skipped the 5 batch")
+    assert "ran out" not in str(error.value) and "returned None" in str(error.value)
+
+    def manual(engine, batch):
+        engine.backward(engine.loss(engine.model(batch[0]), batch[1]))
+        engine.step()
+
+    driven = engine_with(manual)
+    driven.fit(dataset(4), epochs=1, batch_size=8, progress=False)
+    assert driven.state.global_step == 4 and driven.state.skipped_batches == 0
+
+
+def test_batches_a_step_skips_are_said_once_and_never_logged_as_a_zero_loss(capsys):
+    """Epoch 1 skips every other batch, epoch 2 every batch: one warning line, a loss for epoch 1
+    only (an epoch whose batches were all skipped logs none, never 0.0)."""
+
+    def skipping(engine, batch):
+        engine.calls = getattr(engine, "calls", 0) + 1
+        if engine.state.epoch == 1 or engine.calls % 2 == 0:
+            return None
+        return engine.loss(engine.model(batch[0]), batch[1])
+
+    run = engine_with(skipping)
+    history = run.fit(dataset(6), epochs=2, batch_size=8, progress=False)
+    assert run.state.global_step == 3 and run.state.skipped_batches == 3 + 6
+    assert len(history["loss"]) == 1 and history["loss"][0] > 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if "skipped" in line]
+    assert lines == [
+        "warning: the training step skipped 3 of the 6 batches of epoch 1 (it returned None): nothing was "
+        "trained on them, and the logged loss leaves them out"
+    ]
+
+
 def test_model_methods_are_steps_too():
     class Model(MLP):
         def training_step(self, dataloader_iter):

@@ -81,6 +81,23 @@ def test_an_adapter_on_an_adapted_model_is_refused():
         Engine(adapters.adapt(tiny_llama(), lora()), "model", adapter=lora())
 
 
+def test_modules_to_save_that_name_no_module_are_refused_in_one_line():
+    """peft wraps the modules whose names end with a `modules_to_save` entry and says nothing
+    when none does: a misspelt `lm_head` trained only the adapters, as if it were copied and
+    trained whole. Refused as a target module matching nothing is, naming the nearest module."""
+    with pytest.raises(ConfigError) as error:
+        adapters.adapt(tiny_llama(), lora(modules_to_save=["lm_head", "lm_haed"]), causal_lm=True)
+    line = str(error.value)
+    assert line.startswith(
+        "adapter: modules_to_save ['lm_haed'] not found in the base model (LlamaForCausalLM)"
+    )
+    assert "e.g. lm_head" in line and "\n" not in line
+    with pytest.raises(ConfigError, match="modules_to_save"):
+        Engine(tiny_llama(), "model", adapter=adapters.AdapterConfig(modules_to_save=["score"]))
+    saved = adapters.adapt(tiny_llama(), lora(modules_to_save=["lm_head"]), causal_lm=True)
+    assert any("lm_head.modules_to_save" in n for n, p in saved.named_parameters() if p.requires_grad)
+
+
 def test_the_builder_adapts_what_the_factory_builds_and_only_the_adapter_trains():
     from framework.backend.runtime import Runtime
 

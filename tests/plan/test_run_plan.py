@@ -439,6 +439,25 @@ def test_a_max_steps_the_epochs_end_before_is_named_with_the_key_that_reaches_it
     assert step_budget(layout, loader_batches=15, epochs=10).notes == ()
 
 
+def test_the_samples_an_epoch_leaves_out_are_said_once_the_same_on_every_layout():
+    """14 rows, global batch 8: 6 left out of every epoch without a word. The note is the
+    layout's (2 ranks x 2 accumulation steps say what 1 rank says), and a fit shows it once."""
+    one, two = layout_of(Strategy(), 8, 1), layout_of(Strategy(gradient_merge={"k_steps": 2}), 8, 2)
+    (note,) = step_budget(one, loader_batches=1, epochs=3, samples=14).notes
+    assert (
+        note.startswith("an epoch trains 8 of the 14 samples: the last 6 of its order")
+        and "trainer.batch_size" in note
+    )
+    assert step_budget(two, loader_batches=2, epochs=3, samples=14).notes == (note,)
+    assert step_budget(one, loader_batches=2, epochs=3, samples=16).notes == ()  # nothing left out
+    assert step_budget(one, loader_batches=2, epochs=3, steps_per_epoch=1, samples=20).notes == ()  # capped
+    e = engine()
+    data = torch.utils.data.TensorDataset(torch.randn(14, 64), torch.randint(0, 10, (14,)))
+    e.fit(data, epochs=2, batch_size=8, progress=False)
+    assert e.state.info.notes.count(note) == 1 and e.state.global_step == 2
+    e.close()
+
+
 def test_a_stream_says_both_limits_and_what_the_schedule_is_planned_for():
     from framework.plan.run_plan import stream_budget
 

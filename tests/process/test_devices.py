@@ -230,7 +230,7 @@ def test_skipped_fp16_steps_are_counted_and_never_advance_the_step(monkeypatch):
     from framework.observe.state import LoopState
 
     runtime = types.SimpleNamespace(global_steps=0, skipped_steps=0, lr=0.1)
-    host = types.SimpleNamespace(runtime=runtime, state=LoopState())
+    host = types.SimpleNamespace(runtime=runtime, state=LoopState(), train_step_fn=None)
     pending: list = []
 
     def call(loss, boundary, overflow):

@@ -379,3 +379,18 @@ def test_an_option_error_names_the_parameter_from_python_and_the_key_from_the_co
         made("objective", SimPO, {"beta": 0})
     with pytest.raises(ConfigError, match=r"objective.gama=1: no such option; did you mean gamma"):
         made("objective", SimPO, {"gama": 1})
+
+
+def test_a_value_left_missing_is_one_line_naming_its_key_from_either_door(compose):
+    """`model=hf_causal_lm` without `model.path`: a ~40-line MissingMandatoryValue traceback once;
+    then, the command line resolving its config to plain data, "model.path=???: no such
+    directory" after the data had been read. Now one line naming the key, before anything is built."""
+    from framework.cli.build import tree as cli_tree
+
+    cfg = compose(["model=hf_causal_lm", "data=hf_text", "data.dataset.data_files=notes.txt", "loss=model"])
+    want = r"^model.path is required: give it \(e.g. model.path=VALUE on the command line\)$"
+    for given in (cfg, cli_tree(cfg)):
+        with pytest.raises(ConfigError, match=want):
+            tree_of(given)
+    with pytest.raises(ConfigError, match=r"^data.dataset.data_files is required"):
+        tree_of(cli_tree(compose(["model=hf_llama", "data=hf_text", "loss=model"])))
