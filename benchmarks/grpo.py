@@ -110,7 +110,7 @@ def overrides(
         f"objective.max_completion_length={length}", "objective.temperature=1.0", f"objective.beta={beta}",
         f"objective.reward_funcs=[{REWARD}]", "optimizer=adamw", f"optimizer.lr={lr}", "scheduler=constant",
         "metrics=none", f"trainer.batch_size={batch}", f"trainer.max_steps={steps}", "trainer.monitor=loss",
-        f"strategy=zero{stage}", f"trainer.devices={devices}", "trainer.epochs=1000", "trainer.log_freq=1",
+        f"strategy=zero{stage}", f"trainer.devices={devices}", "trainer.log_freq=1",
         "trainer.checkpoint.enabled=false", f"trainer.seed={seed}", *extra,
     ]  # fmt: skip
 
