@@ -18,7 +18,17 @@ from pathlib import Path
 
 from benchmarks.common import RESULTS, machine
 
-BENCHMARKS = ["overhead", "exactness", "stalls", "first_step", "memory", "peers", "pipeline", "streams"]
+BENCHMARKS = [
+    "overhead",
+    "exactness",
+    "stalls",
+    "first_step",
+    "memory",
+    "peers",
+    "pipeline",
+    "streams",
+    "grpo",
+]
 
 
 def _gpt_case(row: dict) -> str:
@@ -160,6 +170,23 @@ def summary(out_dir: Path, command: str) -> str:
         )
         r = row["loader_over_consumption"]
         add("streams: loader tokens/s / tokens/s the step consumes", f"{r:.1f}", "> 1", r > 1)
+    for row in _rows("grpo", out_dir):
+        if row["part"] == "vs TRL" and "ours_over_trl" in row:
+            r = row["ours_over_trl"]
+            add(
+                f"GRPO: {row['steps']}-step job training time, ours ZeRO-0 / TRL GRPOTrainer, 1 proc",
+                f"{r:.2f}",
+                "<= 1.5",
+                r <= 1.5,
+            )
+        if row["part"] == "grpo_tiny":
+            ok = row["seconds"] < 300 and row["reward_last10"] >= 0.8
+            add(
+                f"GRPO: experiment=grpo_tiny {row['setup']}, wall time and mean reward (first -> last 10 steps)",
+                f"{row['seconds']:.0f} s, {row['reward_first10']:.2f} -> {row['reward_last10']:.2f}",
+                "< 300 s, >= 0.8",
+                ok,
+            )
     m = machine()
     head = (
         f"Measured {m['date']} with `{command}` on {m['cpu_count']} CPU cores, no GPU "

@@ -37,6 +37,7 @@ EXPECTED_KEYS = {
     "peers": {"task", "framework", "samples_per_s", "ours_over_theirs", "first_step_s"},
     "pipeline": {"micro_batches", "t1_ms", "t2_ms", "bubble_measured", "bubble_1f1b_theory"},
     "streams": {"loader_tokens_per_s", "fit_tokens_per_s", "loader_over_consumption", "stream_over_map"},
+    "grpo": {"part", "setup", "ranks", "seconds"},
 }
 
 
@@ -80,6 +81,21 @@ def test_summary_table_from_results(smoke_results):
     text = summary(out, "smoke")
     assert text.count("\n| ") >= 8 and "| overhead: Engine.fit / raw DeepSpeed, ZeRO-0, 1 proc |" in text
     assert "pipeline: bubble at m=2" in text
+
+
+@pytest.mark.slow
+def test_grpo_benchmark_rows_carry_what_they_check(smoke_results):
+    """What the GRPO benchmark's rows show besides times: LoRA's reference is the model with its
+    adapters off (no weights held), the full model's copy is partitioned under ZeRO-3, and the
+    rollout samples what the plain model's `generate` samples."""
+    out, _ = smoke_results
+    rows = json.loads((out / "grpo.json").read_text())["rows"]
+    assert {"vs TRL", "step split", "generation", "memory"} <= {r["part"] for r in rows}
+    memory = {(r["setup"].split(",")[0], r["stage"]): r for r in rows if r["part"] == "memory"}
+    assert memory["LoRA r=8", 3]["reference_held_MB"] == 0
+    assert 0 < memory["full", 3]["reference_held_MB"] < memory["full", 0]["reference_held_MB"]
+    generation = {r["stage"]: r for r in rows if r["part"] == "generation"}
+    assert generation[0]["plain_same_tokens"] is True and generation[3]["partitioned_share"] > 0.5
 
 
 @pytest.fixture(scope="module")
