@@ -119,7 +119,10 @@ def _with_context(node: dict[str, Any], key: str, context: dict[str, Any]) -> An
     except (TypeError, ValueError):
         params = {}  # type: ignore[assignment]
     extra = {k: v for k, v in context.items() if k in params and node.get(k) is None and v is not None}
-    return instantiate({**node, **extra}, key) if extra else instantiate(node, key)
+    if not extra:
+        return instantiate(node, key)
+    # the context is handed as it is: the run's config is data to record, not nodes to make
+    return instantiate({**node, "_partial_": True}, key)(**extra)
 
 
 def callbacks_of(tree: dict[str, Any], out: Path, context: dict[str, Any]) -> list[Callback]:
