@@ -127,9 +127,12 @@ def test_non_tty_output_has_plain_lines_and_a_summary(tmp_path):
     assert "\r" not in run.stdout and "\x1b[" not in run.stdout  # no redraws or colour codes in a log file
     assert "epoch 1/1 step 5 batch 5/22 loss" in run.stdout
     assert "run summary" in run.stdout and f"outputs in {tmp_path}" in run.stdout
-    # a first run prints nothing a user cannot act on: no warnings, no MFU hint on a CPU
+    # a first run prints nothing a user cannot act on: no warnings, no MFU hint on a CPU; its one
+    # note is the samples each epoch leaves out, with the option that changes it
     assert "Warning" not in run.stdout + run.stderr and "warn" not in run.stderr.lower(), run.stderr
-    assert "peak_tflops" not in run.stdout and "note:" not in run.stdout
+    notes = [line for line in run.stdout.splitlines() if "note:" in line]
+    assert "peak_tflops" not in run.stdout and len(notes) == 1, notes
+    assert "an epoch trains 1,408 of the 1,438 samples" in notes[0] and "trainer.batch_size" in notes[0]
 
 
 @pytest.mark.slow
