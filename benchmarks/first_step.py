@@ -43,7 +43,9 @@ def _env() -> dict[str, str]:
 def wall(cmd: list[str]) -> float:
     """Seconds a command takes from start to exit (it must succeed)."""
     start = time.perf_counter()
-    subprocess.run(cmd, cwd=ROOT, env=_env(), check=True, capture_output=True)
+    run = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
+    if run.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {run.returncode}:\n{run.stderr[-3000:]}")
     return time.perf_counter() - start
 
 
