@@ -37,7 +37,7 @@ from framework.backend.weights import load_weights, save_weights
 from framework.checkpoint import safety, store
 from framework.checkpoint.staging import staged_dir, staged_file
 from framework.errors import CheckpointError, ConfigError
-from framework.integrations import hf, peft
+from framework.integrations import hf, peft_files
 from framework.integrations.hf import HF_CONFIG, HF_PREFIX, TOKENIZER_DIR
 from framework.process.environment import choose_accelerator
 
@@ -139,8 +139,8 @@ def save_hf_directory(
     path = _checkpoint(ckpt)
     if tokenizer is not None and not Path(tokenizer).is_dir():
         raise ConfigError(f"--tokenizer {tokenizer}: no such directory")
-    adapter = peft.load_config(path)
-    model = peft.merged(_adapted(path, adapter, base, out)) if adapter is not None else _hf_model(path)
+    adapter = peft_files.load_config(path)
+    model = peft_files.merged(_adapted(path, adapter, base, out)) if adapter is not None else _hf_model(path)
     with staged_dir(Path(out)) as staged:
         model.save_pretrained(str(staged), safe_serialization=True)
         generation = path / HF_CONFIG / "generation_config.json"
@@ -158,7 +158,7 @@ def save_adapter_directory(ckpt: str | Path, out: str | Path, base: str | Path |
     checked against them; for any other torch module the adapter's weights are written under the
     names peft gave them in training. Written whole or not at all (`staging`)."""
     path = _checkpoint(ckpt, transformers=False)
-    adapter = peft.load_config(path)
+    adapter = peft_files.load_config(path)
     if adapter is None:
         raise ConfigError(
             f"{path} is not from an adapter run (+adapter=lora): export it with --hf or to a file"
@@ -166,11 +166,11 @@ def save_adapter_directory(ckpt: str | Path, out: str | Path, base: str | Path |
     if not (path / HF_CONFIG / "config.json").is_file():  # LoRA on a plain torch module
         state = fp32_state_dict(path)
         with staged_dir(Path(out)) as staged:
-            peft.save_adapter_weights(path, state, staged)
+            peft_files.save_adapter_weights(path, state, staged)
         return Path(out)
     model = _adapted(path, adapter, base, out)
     with staged_dir(Path(out)) as staged:
-        peft.save_adapter(model, staged)
+        peft_files.save_adapter(model, staged)
     return Path(out)
 
 
@@ -212,13 +212,13 @@ def _adapted(path: Path, adapter: Any, base: str | Path | None, out: str | Path)
         raise ConfigError(
             f"{out} is the base model's own directory: the export would write over the base; choose another OUT"
         )
-    problem = peft.other_base(store.read_meta(path).get("base"), Path(where))
+    problem = peft_files.other_base(store.read_meta(path).get("base"), Path(where))
     if problem:
         raise ConfigError(f"{path}: {problem}; give the base it was trained on with --base DIR")
     state = fp32_state_dict(path)
     if Path(where).resolve() != Path(str(adapter.base_model_name_or_path)).resolve():
         adapter.base_model_name_or_path = str(where)
-    return peft.rebuilt(hf.pretrained(Path(where), _base(path)), adapter, state)
+    return peft_files.rebuilt(hf.pretrained(Path(where), _base(path)), adapter, state)
 
 
 def _hf_model(path: Path) -> Any:

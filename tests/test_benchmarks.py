@@ -38,6 +38,15 @@ EXPECTED_KEYS = {
     "pipeline": {"micro_batches", "t1_ms", "t2_ms", "bubble_measured", "bubble_1f1b_theory"},
     "streams": {"loader_tokens_per_s", "fit_tokens_per_s", "loader_over_consumption", "stream_over_map"},
     "grpo": {"part", "setup", "ranks", "seconds"},
+    "finetune": {
+        "framework",
+        "peak_rss_MB",
+        "step_s",
+        "tokens_per_s",
+        "rss_over_trl",
+        "step_time_over_trl",
+        "max_loss_diff",
+    },
 }
 
 

@@ -399,7 +399,9 @@ def methods() -> str:
     for name, cls in sorted(registered().items()):
         module = sys.modules[cls.__module__]
         about = " ".join((inspect.getdoc(module) or "").split("\n\n")[0].split())
-        options = ", ".join(f"`{f.name}`" for f in dataclasses.fields(cls.Config)) or "—"
+        own = set(vars(cls.Config).get("__annotations__", {}))  # its own options first, then the shared
+        fields = sorted(dataclasses.fields(cls.Config), key=lambda f: f.name not in own)
+        options = ", ".join(f"`{f.name}`" for f in fields) or "—"
         page = (
             f"[{cls.__name__}]({name}.md)"
             if (ROOT / "docs" / "methods" / f"{name}.md").is_file()

@@ -17,6 +17,8 @@ Rule: imports `framework.errors`, `framework.process`, `framework.integrations`,
 * `parallel`, `sequence_parallel`, `expert_parallel`: TP / SP / EP wiring (AutoTP, Ulysses, AutoEP);
 * `weights`           whole weights in and out of a partitioned model;
 * `generation`        the trained model whole for a rollout (ZeRO-3: gathered once, hooks off);
+* `head`              a loss that applies the output head itself, run as the model's and the
+                      head's forward (ZeRO-3 gathers the head once per pass, not per chunk);
 * `checkpoint_files`  DeepSpeed's own checkpoint readers (zero_to_fp32, universal conversion);
 * `estimate`          per-rank model-state bytes under the mesh, and DeepSpeed's estimators.
 """

@@ -2,7 +2,7 @@
 
 * the setup that saved it (`setup_record`, in COMPLETE.json): ZeRO stage, pipeline stages,
   optimizer, parameter names and shapes; another one is named in one line (`check`);
-* an adapter's base weights (`peft.base_record`): a base replaced on disk is refused (`check`);
+* an adapter's base weights (`peft_files.base_record`): a base replaced on disk is refused (`check`);
 * the layout: a checkpoint of ZeRO partitions for another data- or tensor-parallel degree loads
   through DeepSpeed's universal format (`needs_universal`, `source`), converted into a cache that
   the run which saved it never sees (`store.to_universal`).
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from framework.backend.weights import whole_shape
 from framework.checkpoint import store
 from framework.errors import CheckpointError
-from framework.integrations import peft
+from framework.integrations import peft, peft_files
 
 if TYPE_CHECKING:
     from framework.backend.runtime import Runtime
@@ -80,7 +80,7 @@ def setup_record(runtime: Runtime) -> dict[str, Any]:
         "pipeline_stages": runtime.strategy.pipeline.stages,
         "optimizer": runtime.optimizer_name,
         "parameters": {n: whole_shape(p) for n, p in runtime.module.named_parameters()},
-        "adapter": peft.hyperparameters(runtime.module),
+        "adapter": peft_files.hyperparameters(runtime.module),
     }
 
 
@@ -126,7 +126,9 @@ def _check_base(runtime: Runtime, path: Path, meta: dict[str, Any]) -> None:
     problem = None
     if job.is_main:
         where = peft.base_name(runtime.module)
-        problem = peft.other_base(meta["base"], Path(where)) if where else "this run's base has no directory"
+        problem = (
+            peft_files.other_base(meta["base"], Path(where)) if where else "this run's base has no directory"
+        )
     problem = job.broadcast_object(problem, slow=True)
     if problem:
         raise CheckpointError(

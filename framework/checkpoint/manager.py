@@ -20,7 +20,7 @@ import torch
 
 from framework.checkpoint import compatibility, preemption, rng, safety, store
 from framework.errors import CheckpointError, ConfigError
-from framework.integrations import peft
+from framework.integrations import peft_files
 from framework.integrations.hf import save_model_config
 from framework.observe.callbacks import Callback
 from framework.observe.metrics import Metrics
@@ -149,11 +149,11 @@ def _save(parts: Stateful, ckpt_dir: Path, keep_last_k: int | None, reason: str)
             "time": time.time(),
         }
         if runtime.adapted:  # which base the adapter trains on: a resume or an export checks it
-            meta["base"] = peft.base_record(runtime.module)
+            meta["base"] = peft_files.base_record(runtime.module)
         store.mark_complete(path, meta)
         if runtime.adapted and state.last_checkpoint is None:  # the run's first: say what it holds
             size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-            print(peft.describe_checkpoint(size, runtime.module), flush=True)
+            print(peft_files.describe_checkpoint(size, runtime.module), flush=True)
         if keep_last_k:
             store.prune(ckpt_dir, keep_last_k)
     job.barrier(slow=True)  # rank 0 flushed, hashed and pruned: possibly long

@@ -3,7 +3,8 @@
 
 * What a model is: `is_hf_model` (a config and `save_pretrained`), `is_hf_model_class`,
   `predicts_next_token` (a causal LM shifts its labels itself), `hf_model_in` (a wrapper's one
-  inner transformers model), `transformers_version`.
+  inner transformers model), `transformers_version`; `causal_lm_parts` (a causal LM as its
+  backbone's hidden states and its output head, for a loss that applies the head itself).
 * Models from files: `model_from_config_dir` (a `save_pretrained` directory's config.json, its
   architecture), `zero3_construction` (transformers' own ZeRO-3 path: `HfDeepSpeedConfig`).
 * Tokenizers: `tokenizer_from` (a local directory or a `tokenizers` JSON file); a model loaded
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from framework.errors import ConfigError
-from framework.integrations import peft
+from framework.integrations import peft, peft_files
 
 HF_CONFIG = "hf_config"  # a Hugging Face model's config.json, for `framework.export --hf`
 HF_PREFIX = "weights_prefix"  # in HF_CONFIG: where the HF model sits in a wrapper's state dict ("lm.")
@@ -38,7 +39,7 @@ def save_model_config(module: Any, path: Path) -> None:
     can write a `save_pretrained` directory; for a wrapper, also where the model's weights are;
     for a `peft` model, the adapter's config (naming the base model) too."""
     if peft.is_adapted(module):  # what `export --adapter` and `--hf` rebuild the adapted model from
-        peft.save_config(module, path)
+        peft_files.save_config(module, path)
     found = hf_model_in(module)
     if found is None:  # any torch module: its weights are all there is (an adapter's config, above)
         return
@@ -109,6 +110,41 @@ def predicts_next_token(module: Any) -> bool:
     """True for a Hugging Face causal LM: given `labels=`, its logits at position t are scored
     against labels[t + 1] (it shifts them itself); seen through a `peft` wrapper."""
     return "transformers" in sys.modules and _is_causal_lm(peft.base_model(module).__class__)
+
+
+# Config fields of causal LMs whose logits are more than the head of the last hidden state
+# (Gemma 2's soft-capping, Cohere's scale, Granite's and MiniCPM's divisors, ...).
+_LOGIT_TRANSFORMS = (
+    "final_logit_softcapping",
+    "logit_scale",
+    "logits_scaling",
+    "output_multiplier",
+    "lm_head_multiplier",
+)
+
+
+def causal_lm_parts(module: Any) -> tuple[Callable[..., Any], Any] | None:
+    """(hidden states of a batch, output head) of a transformers causal LM, seen through a `peft`
+    wrapper: `hidden(**inputs)` runs the model's backbone (`base_model`) on the inputs its forward
+    takes and gives its last hidden state `[rows, positions, hidden]`, and the head
+    (`get_output_embeddings()`) of that state is the model's logits. None for any other model,
+    and for one whose config transforms its logits after the head (`_LOGIT_TRANSFORMS`)."""
+    if not predicts_next_token(module):
+        return None
+    model = peft.base_model(module)
+    config = getattr(model, "config", None)
+    text_config = getattr(config, "get_text_config", None)
+    text = text_config() if callable(text_config) else config
+    if any(getattr(text, name, None) is not None for name in _LOGIT_TRANSFORMS):
+        return None
+    backbone, head = getattr(model, "base_model", None), model.get_output_embeddings()
+    if backbone is None or backbone is model or head is None:
+        return None
+
+    def hidden(**inputs: Any) -> Any:
+        return backbone(**inputs).last_hidden_state
+
+    return hidden, head
 
 
 def hf_model_in(module: Any) -> tuple[str, Any] | None:

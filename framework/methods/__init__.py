@@ -5,7 +5,9 @@
     python train.py ... +objective=dpo objective.beta=0.1         # from the CLI: the same object
 
 * `base`        the protocol the engine calls (`Method`) and the registry (`method_class`);
-* `tokens`      what token-scoring methods share: answers' log-probabilities, a window meter;
+* `tokens`      what token-scoring methods share: their options, answers' log-probabilities, a
+                window meter;
+* `chunked`     the output head applied in chunks of the counted positions, never the batch's logits;
 * `pairs`       what preference methods share: pairs batches, TRL's pair metrics;
 * `reference`   a frozen reference policy (adapters off, or a copy partitioned like the policy);
 * `precompute`  reference log-probabilities computed once, kept with the data;

@@ -27,15 +27,16 @@ import torch.nn.functional as F
 
 from framework.data.outputs import takes_use_cache
 from framework.errors import ConfigError
-from framework.methods.pairs import PairMethod, pair_metrics, pair_stats, policy_stats
+from framework.methods.pairs import PairMethod, pair_metrics, pair_stats
 from framework.methods.precompute import REFERENCE_KEYS, with_reference_logps
 from framework.methods.reference import Reference
+from framework.methods.tokens import TokenScoring
 
 LOSS_TYPES = ("sigmoid", "ipo")
 
 
 @dataclass
-class DPOConfig:
+class DPOConfig(TokenScoring):
     """DPO's options, named as TRL's `DPOConfig` names them."""
 
     beta: float = 0.1  # strength of the pull towards the reference model (IPO's tau)
@@ -46,6 +47,7 @@ class DPOConfig:
     precompute_reference: bool = False
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.loss_type not in LOSS_TYPES:
             raise ConfigError.about("DPO", "loss_type", self.loss_type, f"one of {', '.join(LOSS_TYPES)}")
         if not float(self.beta) > 0:
@@ -116,13 +118,13 @@ class DPO(PairMethod):
         """With `precompute_reference`: `data` with each pair's reference log-probabilities."""
         if not self.config.precompute_reference or data is None:
             return data
-        return with_reference_logps(engine, data, batch_size, collate_fn, self.average)
+        return with_reference_logps(engine, data, batch_size, collate_fn, self.average, self.config.chunking)
 
     def loss(
         self, engine: Any, batch: dict[str, Any], weight: Any = None
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         """The mean loss over the micro-batch's pairs and their metrics."""
-        chosen, rejected = policy_stats(engine, batch)
+        chosen, rejected = self.policy(engine, batch)
         policy = (chosen.average(), rejected.average()) if self.average else (chosen.logps, rejected.logps)
         reference = self.reference_logps(engine, batch)
         c = self.config
@@ -138,5 +140,11 @@ class DPO(PairMethod):
         if all(key in batch for key in REFERENCE_KEYS):
             return batch[REFERENCE_KEYS[0]].float(), batch[REFERENCE_KEYS[1]].float()
         with self.reference.model(engine) as model:
-            chosen, rejected = pair_stats(model, batch, engine.output_key, takes_use_cache(engine.module))
+            chosen, rejected = pair_stats(
+                model,
+                batch,
+                engine.output_key,
+                takes_use_cache(engine.module),
+                chunk_size=self.config.chunking,
+            )
         return (chosen.average(), rejected.average()) if self.average else (chosen.logps, rejected.logps)

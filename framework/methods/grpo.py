@@ -37,14 +37,14 @@ from framework.methods.reference import Reference
 from framework.methods.rewards import reward_functions
 from framework.methods.rollout import Batch, Generator, token_logps
 from framework.methods.scoring import Scored, score_rollout
-from framework.methods.tokens import Meter
+from framework.methods.tokens import Meter, TokenScoring
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
 SCALES = ("group", "batch", "none")
 
 
 @dataclass
-class GRPOConfig:
+class GRPOConfig(TokenScoring):
     """GRPO's options, named as TRL's `GRPOConfig` names them."""
 
     num_generations: int = 8  # G: completions sampled per prompt
@@ -64,6 +64,7 @@ class GRPOConfig:
     log_completions_every: int = 10  # optimizer steps between samples in the completions file (0: never)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         about = ConfigError.about
         if self.num_generations < 2:
             raise about(
@@ -173,16 +174,16 @@ class GRPO(Method):
         with torch.no_grad():
             for batch in scored.batches:
                 if self.config.num_iterations > 1:
-                    batch.old_logps = token_logps(engine.model, batch)[0]
+                    batch.old_logps = token_logps(engine.model, batch, chunk_size=self.config.chunking)[0]
                 if self.config.beta > 0:
                     with self.reference.model(engine) as reference:
-                        batch.ref_logps = token_logps(reference, batch)[0]
+                        batch.ref_logps = token_logps(reference, batch, chunk_size=self.config.chunking)[0]
 
     def loss(self, engine: Any, batch: Batch, scored: Scored) -> torch.Tensor:
         """The clipped objective (and KL) of one micro-batch, normalised as `loss_type` says; its
         token statistics join the meter."""
         c = self.config
-        logps, entropy = token_logps(engine.model, batch, entropy=True)
+        logps, entropy = token_logps(engine.model, batch, True, self.config.chunking)
         assert entropy is not None
         old = batch.old_logps if batch.old_logps is not None else logps.detach()
         ratio = torch.exp(logps - old)

@@ -26,16 +26,18 @@ import torch.nn.functional as F
 
 from framework.data.labels import IGNORE_INDEX
 from framework.errors import ConfigError
-from framework.methods.pairs import PAIR_METRICS, PairMethod, pair_metrics, policy_stats
+from framework.methods.pairs import PAIR_METRICS, PairMethod, pair_metrics
+from framework.methods.tokens import TokenScoring
 
 
 @dataclass
-class ORPOConfig:
+class ORPOConfig(TokenScoring):
     """ORPO's options, named as TRL's `ORPOConfig` names them."""
 
     beta: float = 0.1  # lambda: the weight of the odds-ratio term against the NLL
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not float(self.beta) > 0:
             raise ConfigError.about("ORPO", "beta", self.beta, "must be > 0")
 
@@ -61,7 +63,7 @@ class ORPO(PairMethod):
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         """NLL x `weight` (this micro-batch's share of the global batch's chosen tokens) + the mean
         odds-ratio term over its pairs, and their metrics."""
-        chosen, rejected = policy_stats(engine, batch)
+        chosen, rejected = self.policy(engine, batch)
         tokens = chosen.tokens.sum()
         nll = -chosen.logps.sum() / tokens.clamp_min(1)
         avg_chosen, avg_rejected = chosen.average(), rejected.average()

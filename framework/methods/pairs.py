@@ -4,10 +4,11 @@ both answers, and the metrics TRL logs for them.
 Chosen and rejected answers go through the model in one forward pass (concatenated on the batch
 dimension, padded to one length by `PairCollator`); an answer's log-probability is the sum (or,
 for methods that average, the mean) over its answer tokens of log p(token | what precedes it)
-(`framework.methods.tokens`). Every training micro-batch holds the same number of pairs, so a
-loss that is a mean over a micro-batch's pairs becomes, through DeepSpeed's average over
-accumulation steps and data-parallel ranks, the mean over the global batch's pairs on every
-layout. A term that averages over tokens instead (ORPO's NLL) asks for the framework's item
+(`framework.methods.tokens`: by default through the model's head in chunks, its logits never
+held; `chunked_loss=False` scores them from the logits). Every training micro-batch holds the
+same number of pairs, so a loss that is a mean over a micro-batch's pairs becomes, through
+DeepSpeed's average over accumulation steps and data-parallel ranks, the mean over the global
+batch's pairs on every layout. A term that averages over tokens instead (ORPO's NLL) asks for the framework's item
 weight (`Method.items`).
 
 Each logged step gets TRL's metrics over the pairs since the last logging point, summed over
@@ -24,10 +25,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from framework.data.outputs import logits_of, takes_use_cache
+from framework.data.outputs import takes_use_cache
 from framework.errors import ConfigError
 from framework.methods.base import Method
-from framework.methods.tokens import AnswerStats, Meter, answer_stats
+from framework.methods.tokens import AnswerStats, Meter, score_answers
 
 PAIR_METRICS = (
     "rewards/chosen",
@@ -62,12 +63,14 @@ def pair_stats(
     output_key: str | None = None,
     no_cache: bool = True,
     extras: bool = False,
+    chunk_size: int | None = None,
 ) -> tuple[AnswerStats, AnswerStats]:
     """(chosen, rejected) `AnswerStats` of `model` from one forward pass (`no_cache`: a Hugging
-    Face model is asked for no key/value cache; `extras`: the logits' and accuracy's sums too)."""
+    Face model is asked for no key/value cache; `extras`: the logits' and accuracy's sums too;
+    `chunk_size`: through the head in chunks of that many positions, see `score_answers`)."""
     ids, mask, labels = concatenated(batch)
-    outputs = model(input_ids=ids, attention_mask=mask, **({"use_cache": False} if no_cache else {}))
-    stats = answer_stats(logits_of(outputs, output_key), labels, extras)
+    inputs = {"input_ids": ids, "attention_mask": mask, **({"use_cache": False} if no_cache else {})}
+    stats = score_answers(model, inputs, labels, chunk_size, extras, output_key)
     rows = ids.shape[0] // 2
 
     def half(part: slice) -> AnswerStats:
@@ -77,9 +80,13 @@ def pair_stats(
     return half(slice(0, rows)), half(slice(rows, None))
 
 
-def policy_stats(engine: Any, batch: dict[str, Any], extras: bool = True) -> tuple[AnswerStats, AnswerStats]:
+def policy_stats(
+    engine: Any, batch: dict[str, Any], extras: bool = True, chunk_size: int | None = None
+) -> tuple[AnswerStats, AnswerStats]:
     """`pair_stats` of the model the engine trains."""
-    return pair_stats(engine.model, batch, engine.output_key, takes_use_cache(engine.module), extras)
+    return pair_stats(
+        engine.model, batch, engine.output_key, takes_use_cache(engine.module), extras, chunk_size
+    )
 
 
 def pair_metrics(
@@ -123,6 +130,10 @@ class PairMethod(Method):
     ) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, Any]]]:
         """(the micro-batch's loss, its metrics as (total, count))."""
         raise NotImplementedError
+
+    def policy(self, engine: Any, batch: dict[str, Any]) -> tuple[AnswerStats, AnswerStats]:
+        """(chosen, rejected) `AnswerStats` of the trained model, scored as the options say."""
+        return policy_stats(engine, batch, chunk_size=self.config.chunking)
 
     def __call__(self, engine: Any, batch: Any, weight: Any = None) -> torch.Tensor:
         """The micro-batch's loss; its metrics join the training window."""

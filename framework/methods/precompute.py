@@ -22,10 +22,16 @@ REFERENCE_KEYS = ("reference_chosen_logps", "reference_rejected_logps")
 
 @torch.no_grad()
 def with_reference_logps(
-    engine: Any, dataset: Any, batch_size: int, collate_fn: Any, average: bool = False
+    engine: Any,
+    dataset: Any,
+    batch_size: int,
+    collate_fn: Any,
+    average: bool = False,
+    chunk_size: int | None = None,
 ) -> Any:
     """`dataset` with each pair's reference log-probabilities (means over answer tokens when
-    `average`), computed now by the model as it is, `batch_size` pairs per forward pass."""
+    `average`), computed now by the model as it is, `batch_size` pairs per forward pass
+    (`chunk_size`: scored through the head in chunks, see `framework.methods.tokens.score_answers`)."""
     if not hasattr(dataset, "__len__"):
         raise ConfigError(
             "precompute_reference=True stores log-probabilities with map-style data, not a stream: read the "
@@ -45,7 +51,7 @@ def with_reference_logps(
             rows = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
             batch = engine.transfer(collate_fn(rows))
             chosen, rejected = pair_stats(
-                engine.model, batch, engine.output_key, takes_use_cache(engine.module)
+                engine.model, batch, engine.output_key, takes_use_cache(engine.module), chunk_size=chunk_size
             )
             pick = (lambda s: s.average()) if average else (lambda s: s.logps)
             done[start] = (pick(chosen).cpu(), pick(rejected).cpu())

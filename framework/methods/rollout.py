@@ -25,6 +25,7 @@ import torch
 
 from framework.data.labels import IGNORE_INDEX
 from framework.integrations import generation
+from framework.methods import chunked
 
 
 def seed_of(seed: int, step: int, index: int) -> int:
@@ -128,14 +129,25 @@ def laid_out(
     return Batch(torch.cat([prompt_ids, completions], 1), attention, positions, prompt_ids.shape[1], mask)
 
 
-def token_logps(model: Any, batch: Batch, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per completion token, log p(token) under `model` (float32), and its distribution's entropy."""
-    outputs = model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
-        use_cache=False,
+def token_logps(
+    model: Any, batch: Batch, entropy: bool = False, chunk_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per completion token, log p(token) under `model` (float32), and its distribution's entropy;
+    with `chunk_size`, through the model's head in chunks of that many positions, its logits never
+    held (`framework.methods.chunked`: zero where the completion has ended, which the loss masks)."""
+    inputs = {
+        "input_ids": batch.input_ids,
+        "attention_mask": batch.attention_mask,
+        "position_ids": batch.position_ids,
+        "use_cache": False,
+    }
+    scored = (
+        None if chunk_size is None else chunked.fused_scores(model, inputs, batch.labels, chunk_size, entropy)
     )
+    if scored is not None:
+        tail = slice(batch.prompt_length - 1, None)
+        return scored.logps[:, tail], None if scored.entropy is None else scored.entropy[:, tail]
+    outputs = model(**inputs)
     logits = getattr(outputs, "logits", outputs)[:, batch.prompt_length - 1 : -1].float()
     targets = batch.input_ids[:, batch.prompt_length :]
     log_p = torch.log_softmax(logits, dim=-1)

@@ -11,27 +11,39 @@ of each micro-batch: the framework counts them before the step (`Method.items`),
 is the same on every layout. Logged beside the loss, with TRL's names: `mean_token_accuracy`
 (the share of labelled tokens the model ranks first, over the window) and `num_tokens` (the
 input tokens trained so far, all ranks; kept by checkpoints).
+
+The model's logits are never held: its output head scores the labelled positions in chunks
+(`chunked_loss`, `chunk_size`: `framework.methods.tokens.TokenScoring`), which is what makes this
+the memory-lean way to fine-tune; `loss=model` (the model's own loss from `labels=`) computes
+the same mean over the batch's full logits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from framework.data.labels import IGNORE_INDEX
-from framework.data.outputs import logits_of, takes_use_cache
+from framework.data.outputs import takes_use_cache
 from framework.errors import ConfigError
 from framework.methods.base import Method
-from framework.methods.tokens import Meter, answer_stats
+from framework.methods.tokens import Meter, TokenScoring, score_answers
+
+
+@dataclass
+class SFTConfig(TokenScoring):
+    """SFT's options: how tokens are scored (what is labelled is the data's choice:
+    `data.dataset.train_on_prompt`)."""
 
 
 class SFT(Method):
-    """Supervised fine-tuning (see the module doc): no options of its own (what is labelled is
-    the data's choice: `data.dataset.train_on_prompt`)."""
+    """Supervised fine-tuning (see the module doc)."""
 
     name = "sft"
+    Config = SFTConfig
 
     def __init__(self, config: Any = None, **options: Any):
         super().__init__(config, **options)
@@ -49,7 +61,7 @@ class SFT(Method):
         inputs = {k: v for k, v in batch.items() if k != engine.label_key}
         if takes_use_cache(engine.module):
             inputs.setdefault("use_cache", False)
-        stats = answer_stats(logits_of(engine.model(**inputs), engine.output_key), labels, extras=True)
+        stats = score_answers(engine.model, inputs, labels, self.config.chunking, True, engine.output_key)
         tokens = stats.tokens.sum()
         assert stats.correct is not None
         meter.add({"mean_token_accuracy": (stats.correct.sum(), tokens)})

@@ -18,17 +18,19 @@ import torch
 import torch.nn.functional as F
 
 from framework.errors import ConfigError
-from framework.methods.pairs import PairMethod, pair_metrics, policy_stats
+from framework.methods.pairs import PairMethod, pair_metrics
+from framework.methods.tokens import TokenScoring
 
 
 @dataclass
-class SimPOConfig:
+class SimPOConfig(TokenScoring):
     """SimPO's options (TRL's `CPOConfig` names `gamma` `simpo_gamma`)."""
 
     beta: float = 2.0  # scale of the difference of the answers' mean log-probabilities
     gamma: float = 0.5  # the target reward margin
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not float(self.beta) > 0:
             raise ConfigError.about("SimPO", "beta", self.beta, "must be > 0")
 
@@ -43,7 +45,7 @@ class SimPO(PairMethod):
         self, engine: Any, batch: dict[str, Any], weight: Any = None
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         """The mean loss over the micro-batch's pairs and their metrics."""
-        chosen, rejected = policy_stats(engine, batch)
+        chosen, rejected = self.policy(engine, batch)
         avg_chosen, avg_rejected = chosen.average(), rejected.average()
         beta, gamma = float(self.config.beta), float(self.config.gamma)
         losses = -F.logsigmoid(beta * (avg_chosen - avg_rejected) - gamma)

@@ -1,5 +1,5 @@
-"""What methods that score tokens share: per-row statistics of a causal LM's answer tokens, and
-a meter of means over a logging window.
+"""What methods that score tokens share: their options (`TokenScoring`), per-row statistics of a
+causal LM's answer tokens, and a meter of means over a logging window.
 
 A causal LM's position t scores label t + 1; a position counts when that label is not -100
 (`framework.data.labels`). `answer_stats` gives, per row, the sum of log p(label) over the
@@ -7,6 +7,12 @@ counted positions (the answer's log-probability) and their number, computed in f
 the logits' dtype, as log p = logit - logsumexp(logits) (no second vocabulary-sized tensor);
 with `extras`, also what TRL logs of them: the mean logit of each counted position (summed) and
 how many labels are the model's first choice.
+
+`score_answers` computes the same statistics from the model itself: by default through its output
+head in chunks of positions, never holding the batch's logits (`framework.methods.chunked`;
+equal to the logits path to float rounding), or from its logits with `chunked_loss=False`, for a
+model or head the chunked path does not know, and for a run that reads another output
+(`trainer.output_key`).
 """
 
 from __future__ import annotations
@@ -17,6 +23,30 @@ from typing import Any
 import torch
 
 from framework.data.labels import IGNORE_INDEX
+from framework.data.outputs import logits_of
+from framework.errors import ConfigError
+from framework.methods import chunked
+
+
+@dataclass(kw_only=True)
+class TokenScoring:
+    """The options of every method that scores tokens (SFT, DPO, SimPO, ORPO, GRPO)."""
+
+    # true: the LM head applied to the counted positions in chunks, the batch's logits never held
+    # (same loss and gradients); false: scored from the model's logits
+    chunked_loss: bool = True
+    chunk_size: int = chunked.CHUNK_SIZE  # positions per chunk (a chunk holds chunk_size x vocabulary logits)
+
+    def __post_init__(self) -> None:
+        if int(self.chunk_size) < 1:
+            raise ConfigError.about(
+                type(self).__name__.removesuffix("Config"), "chunk_size", self.chunk_size, "must be >= 1"
+            )
+
+    @property
+    def chunking(self) -> int | None:
+        """Positions per chunk of the chunked path, None for the logits path."""
+        return int(self.chunk_size) if self.chunked_loss else None
 
 
 @dataclass
@@ -45,6 +75,29 @@ def answer_stats(logits: torch.Tensor, labels: torch.Tensor, extras: bool = Fals
             stats.mean_logits = (logits.mean(-1) * counted).sum(-1)
             stats.correct = ((logits.argmax(-1) == labels) & counted).sum(-1)
     return stats
+
+
+def score_answers(
+    model: Any,
+    inputs: dict[str, Any],
+    labels: torch.Tensor,
+    chunk_size: int | None = None,
+    extras: bool = False,
+    output_key: str | None = None,
+) -> AnswerStats:
+    """`AnswerStats` of `model` (a DeepSpeed engine or a module) on a batch of `inputs` scored
+    against `labels`: through its head in chunks of `chunk_size` positions where it has one the
+    chunked path knows, else (and with `chunk_size` None, or an `output_key` other than logits)
+    from its logits."""
+    if chunk_size is not None and output_key in (None, "logits"):
+        scored = chunked.fused_scores(model, inputs, labels, chunk_size)
+        if scored is not None:
+            stats = AnswerStats(scored.logps.sum(-1), scored.counted.sum(-1))
+            if extras:
+                assert scored.mean_logits is not None and scored.correct is not None
+                stats.mean_logits, stats.correct = scored.mean_logits.sum(-1), scored.correct.sum(-1)
+            return stats
+    return answer_stats(logits_of(model(**inputs), output_key), labels, extras)
 
 
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, average: bool = False) -> torch.Tensor:

@@ -122,10 +122,19 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) -> next-token logits (B, T, vocab_size)."""
+        return self.wte.logits(self.hidden_states(idx))
+
+    def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) -> what the output head reads (B, T, n_embd); with `output_head`, what
+        a loss that applies the head itself in chunks needs (`framework.methods.chunked`)."""
         x = self.pos(self.wte(idx))
         for block in self.blocks:
             x = block(x)
-        return self.wte.logits(self.ln_f(x))
+        return self.ln_f(x)
+
+    def output_head(self) -> nn.Module:
+        """The output head: the token embedding, whose weight projects onto the vocabulary."""
+        return self.wte
 
     def pipeline_layers(self) -> list[Any]:
         """The model as pipeline layers: the embedding appears twice as a tied layer (input

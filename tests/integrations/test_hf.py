@@ -443,3 +443,22 @@ def test_feature_data_into_a_token_model_is_one_line():
     engine = Engine(tiny_llama(), "model", functools.partial(torch.optim.SGD, lr=0.1))
     with pytest.raises(ConfigError, match=r"LlamaForCausalLM looks up token ids .* gives it float32 inputs"):
         engine.fit(data, batch_size=4, epochs=1, progress=False)
+
+
+def test_a_causal_lm_is_its_backbones_last_hidden_state_and_its_head():
+    """The head of the backbone's last hidden state is the model's logits; a model that changes
+    its logits after the head (Gemma 2's soft-capping) and a model that is no causal LM have none."""
+    from framework.integrations import hf
+
+    model = tiny_llama()
+    ids = torch.randint(0, 64, (2, 7))
+    hidden, head = hf.causal_lm_parts(model)
+    with torch.no_grad():
+        assert torch.allclose(head(hidden(input_ids=ids)), model(input_ids=ids).logits, atol=1e-6)
+    assert head is model.lm_head
+    gemma = transformers.Gemma2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16,
+    )  # fmt: skip
+    assert hf.causal_lm_parts(transformers.Gemma2ForCausalLM(gemma)) is None
+    assert hf.causal_lm_parts(model.model) is None  # the backbone alone: no head

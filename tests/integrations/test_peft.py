@@ -15,7 +15,7 @@ from framework import ConfigError, Engine, Strategy
 from framework.engine import construct
 from framework.export import fp32_state_dict
 from framework.export import main as export
-from framework.integrations import hf
+from framework.integrations import hf, peft_files
 from framework.integrations import peft as adapters
 
 from ..conftest import ROOT, run_cmd, torchrun
@@ -214,7 +214,7 @@ def test_peft_asks_nothing_deprecated_of_a_transformers_model():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         adapted = adapters.adapt(tiny_llama(), lora(), causal_lm=True)
-        adapters.rebuilt(tiny_llama(), lora(task_type="CAUSAL_LM"), adapted.state_dict())
+        peft_files.rebuilt(tiny_llama(), lora(task_type="CAUSAL_LM"), adapted.state_dict())
     assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)]
 
 
@@ -236,3 +236,37 @@ def test_lora_on_a_plain_torch_module_saves_a_complete_checkpoint_and_exports_fo
     held, loaded = fp32_state_dict(path), adapted.state_dict()
     assert held and all(torch.equal(loaded[k], v) for k, v in held.items())
     assert max(v.abs().max().item() for k, v in held.items() if "lora_B" in k) > 0  # trained
+
+
+def _lora_head(**extra):
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "lm_head"], **extra
+    )
+    torch.manual_seed(1)
+    model = peft.get_peft_model(tiny_llama(), config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)
+    return model
+
+
+def test_a_lora_head_is_its_base_layer_and_low_rank_terms():
+    """head(x) = layer(x) + F.linear(down(x), up) for a LoRA head; off or merged, the base layer
+    alone; a modules_to_save copy is the copy that runs; DoRA on the head is not known (None)."""
+    x = torch.randn(5, 32)
+    model = _lora_head()
+    head = model.get_output_embeddings()
+    layer, terms = adapters.head_terms(head)
+    assert type(layer) is torch.nn.Linear and len(terms) == 1
+    down, up = terms[0]
+    with torch.no_grad():
+        assert torch.allclose(layer(x) + torch.nn.functional.linear(down(x), up), head(x), atol=1e-6)
+        with model.disable_adapter():
+            assert adapters.head_terms(head) == (layer, [])
+    plain = tiny_llama()
+    assert adapters.head_terms(plain.lm_head) == (plain.lm_head, [])
+    saved = peft.get_peft_model(tiny_llama(), lora(modules_to_save=["lm_head"]))
+    copy_, terms = adapters.head_terms(saved.get_output_embeddings())
+    assert terms == [] and copy_ is saved.get_output_embeddings().modules_to_save["default"]
+    assert adapters.head_terms(_lora_head(use_dora=True).get_output_embeddings()) is None

@@ -18,7 +18,7 @@ import torch
 from framework.engine.fit_config import LoaderConfig, LoopConfig, SaveConfig
 from framework.errors import ConfigError
 from framework.integrations.peft import AdapterConfig
-from framework.methods import DPO, GRPO, ORPO, Method, SimPO, registered
+from framework.methods import DPO, GRPO, ORPO, SFT, Method, SimPO, registered
 from framework.methods.pairs import PairMethod
 from framework.recipe import tree_of
 from framework.recipe.options import fit_options, made
@@ -212,6 +212,8 @@ def test_a_method_of_the_users_own_is_selected_by_its_import_path(runs):
 
 # A value other than the default for every field of every options dataclass; a field added without
 # one here fails `test_every_field_of_every_options_dataclass_is_walked`.
+# How every method that scores tokens scores them (`TokenScoring`): each changes how, not what.
+SCORING: dict[str, object] = {"chunked_loss": False, "chunk_size": 3}
 VALUES: dict[type, dict[str, object]] = {
     LoopConfig: {
         "epochs": 3,
@@ -242,10 +244,18 @@ VALUES: dict[type, dict[str, object]] = {
         "modules_to_save": ["lm_head"],
         "use_dora": True,
     },
-    DPO.Config: {"beta": 0.3, "loss_type": "ipo", "label_smoothing": 0.2, "precompute_reference": True},
-    SimPO.Config: {"beta": 1.0, "gamma": 1.0},
-    ORPO.Config: {"beta": 0.5},
+    SFT.Config: {**SCORING},
+    DPO.Config: {
+        "beta": 0.3,
+        "loss_type": "ipo",
+        "label_smoothing": 0.2,
+        "precompute_reference": True,
+        **SCORING,
+    },
+    SimPO.Config: {"beta": 1.0, "gamma": 1.0, **SCORING},
+    ORPO.Config: {"beta": 0.5, **SCORING},
     GRPO.Config: {
+        **SCORING,
         "num_generations": 4,
         "max_completion_length": 16,
         "temperature": 0.7,
@@ -350,26 +360,56 @@ PAIR_METHODS = [
 ]
 
 
+class _HeadProducts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the matrix products made inside the block whose output spans the vocabulary (the
+    head's: the whole logits at once, or a chunk's)."""
+
+    def __init__(self, vocab):
+        super().__init__()
+        self.vocab, self.count = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) and out.shape[-1] == self.vocab:
+            self.count += 1
+        return out
+
+
 @pytest.mark.parametrize("method", PAIR_METHODS, ids=lambda m: m.name)
 def test_every_method_option_changes_what_the_method_does(method):
     """No option is stored and ignored: each one, changed, changes the loss of a batch (or, for
-    `precompute_reference`, what the method does when an Engine takes it and when fit starts).
-    GRPO's options, which act in its rollout, are walked in tests/methods/test_grpo.py."""
+    `precompute_reference`, what the method does when an Engine takes it and when fit starts;
+    for how tokens are scored, `chunked_loss` and `chunk_size`, which leave the loss as it is,
+    whether the head gives logits and how many products of its weight it takes). GRPO's options,
+    which act in its rollout, are walked in tests/methods/test_grpo.py."""
     host, reference, batch = _policy_and_batch()
+    head = host.module.get_output_embeddings()
+    logits_seen: list[bool] = []
+    # logits: [rows, positions, vocabulary]
+    head.register_forward_hook(lambda _m, _i, out: logits_seen.append(out.dim() == 3))
 
     def loss(**options):
         kwargs = {"reference": copy.deepcopy(reference)} if method is DPO else {}
-        with torch.no_grad():
-            return method(**options, **kwargs)(host, batch).item()
+        logits_seen.clear()
+        with torch.no_grad(), _HeadProducts(head.out_features) as products:
+            value = method(**options, **kwargs)(host, batch).item()
+        return value, any(logits_seen), products.count
 
-    default = loss()
+    default, logits, products = loss()
+    assert not logits and products > 0
     for name, value in VALUES[method.Config].items():
         if name == "precompute_reference":
             plain, stored = DPO(), DPO(**{name: value})
             plain.attach(host), stored.attach(host)
             assert plain.reference.is_copy and not stored.reference.is_copy
             continue
-        assert loss(**{name: value}) != pytest.approx(default, abs=1e-7), name
+        changed, logits, count = loss(**{name: value})
+        if name == "chunked_loss":
+            assert logits and changed == pytest.approx(default, abs=1e-6)
+        elif name == "chunk_size":
+            assert not logits and count > products and changed == pytest.approx(default, abs=1e-6)
+        else:
+            assert changed != pytest.approx(default, abs=1e-7), name
 
 
 def test_an_option_error_names_the_parameter_from_python_and_the_key_from_the_config(compose):
