@@ -114,6 +114,8 @@ class StepTimes(Callback):
     """Seconds between consecutive optimizer steps as the training loop reports them; the first
     interval of each fit call (which includes starting the loader) is dropped."""
 
+    stops_alike = True  # a timer never stops training: no per-step stop agreement for it
+
     def __init__(self) -> None:
         self.times: list[float] = []
         self.last: float | None = None

@@ -254,6 +254,8 @@ class CheckpointManager(Callback):
     """Saves every `every_n_steps` optimizer steps, when training ends, and on preemption (at
     the first optimizer-step boundary after every rank agrees that one of them got a preemption signal)."""
 
+    stops_alike = True  # stops only on a preemption every rank agreed on
+
     def __init__(
         self,
         parts: Stateful,

@@ -18,7 +18,7 @@ from framework.data.stream_loader import StreamLoader
 from framework.engine.evaluation import Host
 from framework.engine.step_caller import CountedStep, train_step_caller
 from framework.engine.steps import apply_train_result, owner
-from framework.observe.callbacks import CallbackList, Event
+from framework.observe.callbacks import CallbackList, Event, may_stop_alone
 from framework.observe.state import LoopState
 from framework.observe.throughput import Speedometer
 from framework.plan.run_plan import Budget
@@ -51,7 +51,7 @@ def train_epoch(
         st.start_epoch()
     events.fire(Event.EPOCH_START, st)
 
-    data = _EpochData(host, loader, budget)
+    data = _EpochData(host, loader, budget, events.agree_each_step)
     batches = data.batches
     step = train_step_caller(host, batches, data.stream)
     # A middle pipeline stage pulls no data, so every rank counts train_batch calls instead.
@@ -96,9 +96,10 @@ class _EpochData:
     the loop state with the loader position after it; over a stream, the ranks' agreement on
     where the pass ends."""
 
-    def __init__(self, host: Host, loader: Any, budget: Budget):
+    def __init__(self, host: Host, loader: Any, budget: Budget, agree_each_step: bool = True):
         st, runtime = host.state, host.runtime
         self.stream, self.runtime = isinstance(loader, StreamLoader), runtime
+        self.agree_each_step = agree_each_step  # a stop may be asked on some ranks only
         self.ran_out = False  # the pass ended because the stream did (on some rank)
         self.skipped = 0  # batches the step skipped on this rank (returned None, no backward pass)
         self.need = runtime.strategy.accumulation_steps  # batches of the next optimizer step (or step call)
@@ -147,7 +148,8 @@ class _EpochData:
     def pass_over(self, st: LoopState, pipeline_calls: int | None, steps_per_epoch: int | None) -> bool:
         """True when the pass has no step left: its budget spent (`_budget_over`), no batch left,
         or training stopped. At each optimizer-step boundary the ranks decide together, in one
-        collective: training stops everywhere when it stops on one rank (`agree_stop`), and over a
+        collective: training stops everywhere when it stops on one rank (`agree_stop`, where a
+        stop may be asked on some ranks only: `CallbackList.agree_each_step`), and over a
         stream, whose ranks may run out at different steps, the pass goes on only when every rank
         has the next step's batches (a custom step may pull more: as many as it did)."""
         budget_over = _budget_over(st, pipeline_calls, steps_per_epoch)
@@ -155,7 +157,7 @@ class _EpochData:
         if not self.runtime.at_step_boundary():
             return over
         if not self.stream:  # the data ends every rank's pass at the same step; a stop need not
-            return agree_stop(st, self.runtime.process) or over
+            return (self.agree_each_step and agree_stop(st, self.runtime.process)) or over
         short = len(self.batches.peek_many(self.need)) < self.need
         stop, end = self.runtime.process.agree(st.stop_training, over or short)
         _stopped_elsewhere(st, stop)
@@ -214,6 +216,18 @@ def _epoch_logs(host: Host, pending: list[Any], with_loss: bool = True) -> dict[
     logs: dict[str, Any] = {"loss": loss, "lr": host.runtime.lr} if with_loss else {"lr": host.runtime.lr}
     logs.update(host.metrics.train.compute())
     return logs
+
+
+def agree_each_step(host: Host, events: CallbackList) -> bool:
+    """Whether the ranks must agree on stopping at every optimizer step: a callback may ask a
+    stop between steps on some ranks only (`callbacks.may_stop_alone`), or the training step is
+    the user's own (it gets the engine, and its state). Decided by every rank together, once:
+    callbacks that run on rank 0 alone are in rank 0's list only."""
+    step = host.train_step_fn
+    mine = (step is not None and not getattr(step, "stops_alike", False)) or any(
+        may_stop_alone(c) for c in events.callbacks
+    )
+    return host.runtime.process.any_rank(mine)
 
 
 def agree_stop(st: LoopState, process: Any) -> bool:

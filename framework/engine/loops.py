@@ -21,7 +21,7 @@ from framework.data import loaders as data_lib
 from framework.data.device_loader import set_epoch
 from framework.data.stream_loader import StreamLoader
 from framework.data.streams import is_stream
-from framework.engine.epoch import agree_stop, train_epoch
+from framework.engine.epoch import agree_each_step, agree_stop, train_epoch
 from framework.engine.evaluation import Host, evaluate
 from framework.engine.fit_config import FitConfig
 from framework.engine.steps import owner
@@ -124,6 +124,7 @@ def fit(
         checkpoint.load(parts, Path(plan.resume_from))
         st.info.resumed_from = plan.resume_from
     events = _fit_callbacks(host, cfg, parts, callbacks, resumed=plan.resume_from is not None)
+    events.agree_each_step = agree_each_step(host, events)
     start = time.perf_counter()
     events.fire(Event.FIT_START, st)
     if valid_data is not None and cfg.valid_at_start and st.global_step == 0:

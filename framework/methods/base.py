@@ -56,6 +56,8 @@ class Method:
 
     name: ClassVar[str] = ""
     Config: ClassVar[type] = NoOptions
+    # a method's step asks no stop on some ranks only (see framework.observe.callbacks)
+    stops_alike: ClassVar[bool] = True
 
     def __init__(self, config: Any = None, **options: Any):
         self.config = options_of(type(self), config, options)

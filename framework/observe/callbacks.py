@@ -19,6 +19,13 @@ A callback overrides `on_<event>` (e.g. `on_step_end`) for the events it cares a
 handler gets the `LoopState` (what the loop has done) and, if it takes a second argument, a
 `Control`: the few things a callback may ask of the run (stop it, save a checkpoint, write the
 weights). Callbacks never see the Engine.
+
+A stop asked between steps on some ranks only must reach the others, or they would wait in the
+next step's collectives: when a run has a callback with a step-level handler (`on_step_start`,
+`on_step_end`, `on_checkpoint_saved`) or a training step of the user's own, the ranks agree on
+stopping at every optimizer step (one small all-reduce). A callback that never stops training
+between steps, or stops it on every rank at the same step, says so with `stops_alike = True`
+and the run saves that collective; stops at an epoch's end are agreed on in any case.
 """
 
 from __future__ import annotations
@@ -101,6 +108,8 @@ class Callback:
     with `rank_zero_only = True` (the loggers) runs on rank 0 alone; others run on every rank."""
 
     rank_zero_only = False
+    # True: never asks a stop between steps on some ranks only (see the module doc)
+    stops_alike = False
 
     def on_event(self, event: Event, state: LoopState, control: Control | None = None) -> None:
         """Dispatch `event` to `on_<event>` (with `control` when the handler takes it)."""
@@ -170,6 +179,8 @@ class EarlyStopping(Callback):
 class LearningRateMonitor(Callback):
     """Record the learning rate of every optimizer step into `state.history['lr_step']`."""
 
+    stops_alike = True  # never stops training between steps
+
     def on_step_end(self, state: LoopState) -> None:
         """Append the current learning rate."""
         if "lr" in state.logs:
@@ -210,12 +221,30 @@ class KeepBest(Callback):
         state.history.setdefault(f"best_{self.monitor}", []).append(self.best)
 
 
+STEP_EVENTS = (Event.STEP_START, Event.STEP_END, Event.CHECKPOINT_SAVED)
+
+
+def may_stop_alone(callback: Callback) -> bool:
+    """Whether `callback` could ask a stop between steps on some ranks only: it handles a
+    step-level event (or every event) and does not declare `stops_alike`."""
+    if getattr(callback, "stops_alike", False):
+        return False
+    kind = type(callback)
+    if getattr(kind, "on_event", Callback.on_event) is not Callback.on_event:
+        return True
+    return any(
+        getattr(kind, f"on_{e.value}", None) is not getattr(Callback, f"on_{e.value}") for e in STEP_EVENTS
+    )
+
+
 class CallbackList:
-    """The run's callbacks, fired in order with one `Control`."""
+    """The run's callbacks, fired in order with one `Control`; `agree_each_step`: whether the
+    ranks agree on stopping at every optimizer step (see the module doc; the loop sets it)."""
 
     def __init__(self, callbacks: Iterable[Callback] = ()):
         self.callbacks: list[Callback] = list(callbacks)
         self.control: Control | None = None
+        self.agree_each_step = True
 
     def extend(self, callbacks: Iterable[Callback]) -> None:
         """Add callbacks after the existing ones."""

@@ -66,6 +66,8 @@ class ConsoleLogger(Callback):
     """A live progress bar per epoch on a terminal (loss, lr, samples/s, ETA); plain periodic lines
     when stdout is not a terminal (CI, Slurm logs); a summary table at the end."""
 
+    stops_alike = True  # never stops training between steps
+
     rank_zero_only = True
 
     def __init__(self, output_dir: str | None = None, force_terminal: bool | None = None):
@@ -202,6 +204,8 @@ class MetricsFile(Callback):
     crash loses nothing that was logged). A run resumed from a checkpoint keeps the records up
     to that checkpoint's step and continues the file, so it reads as one uninterrupted run."""
 
+    stops_alike = True  # never stops training between steps
+
     rank_zero_only = True
 
     def __init__(self, path: str | os.PathLike):
@@ -262,6 +266,8 @@ class WandbLogger(Callback):
 
     The CLI fills `output_dir` (the run dir lives inside it), `run_config` (the resolved config)
     and, in a sweep, `group` (the sweep) and `name` (the job's overrides)."""
+
+    stops_alike = True  # never stops training between steps
 
     rank_zero_only = True
 

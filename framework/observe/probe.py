@@ -85,6 +85,8 @@ class StepClock(Callback):
     """Wall time per optimizer step after the first `warmup` steps (the device synchronised at
     each step's end when `cuda`: a trial may pay that, a run never does)."""
 
+    stops_alike = True  # never stops training between steps
+
     def __init__(self, warmup: int = 2, cuda: bool = False):
         self.warmup, self.cuda = max(1, int(warmup)), cuda
         self.ends: list[float] = []

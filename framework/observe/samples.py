@@ -21,6 +21,8 @@ from framework.observe.state import LoopState
 class SamplesFile(Callback):
     """Writes `state.samples` at the end of each step that has some (see the module doc)."""
 
+    stops_alike = True  # never stops training between steps
+
     rank_zero_only = True
 
     def __init__(self, path: str | os.PathLike):

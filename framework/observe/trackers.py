@@ -47,6 +47,8 @@ def _flat(config: Any, prefix: str = "") -> dict[str, str]:
 class _Tracker(Callback):
     """What both trackers log: `train/<key>` at logging points, `epoch/<key>` at epoch ends."""
 
+    stops_alike = True  # never stops training between steps
+
     rank_zero_only = True
 
     def _log(self, values: dict[str, float], step: int) -> None:

@@ -15,6 +15,7 @@ from framework import ConfigError, Engine, Strategy
 from framework.data.datasets import synthetic
 from framework.data.loaders import EvalShardSampler
 from framework.models import MLP
+from framework.observe.callbacks import Callback, LearningRateMonitor
 
 from ..conftest import end_group
 
@@ -374,3 +375,46 @@ def test_a_new_engine_after_the_user_destroyed_the_process_group_trains():
         histories.append(engine.fit(data.train, batch_size=32, progress=False))
         dist.destroy_process_group()
     assert histories[0]["loss"] == histories[1]["loss"]
+
+
+class _Timing(Callback):
+    def on_step_end(self, state):
+        pass
+
+
+class _Declared(_Timing):
+    stops_alike = True
+
+
+class _AtEpochEnd(Callback):
+    def on_epoch_end(self, state):
+        pass
+
+
+@pytest.mark.parametrize(
+    "callbacks, step, per_step",
+    [
+        ([], None, False),  # the framework's own callbacks (the console) never stop on one rank
+        ([LearningRateMonitor(), _AtEpochEnd()], None, False),  # no step-level handler of the user's
+        ([_Timing()], None, True),  # a step-level handler may stop on some ranks only
+        ([_Declared()], None, False),  # ... unless it says it never does
+        ([], lambda engine, batch: engine.loss(engine.model(batch[0]), batch[1]), True),  # gets the state
+    ],
+)
+def test_ranks_agree_on_stopping_at_every_step_only_when_a_stop_can_be_asked_on_one(
+    monkeypatch, callbacks, step, per_step
+):
+    """The per-step stop agreement (a collective) is paid only where a stop may be asked on some
+    ranks only; the epoch's end is agreed on in any case."""
+    from framework.process.context import ProcessContext
+
+    calls = []
+    agree = ProcessContext.agree
+    monkeypatch.setattr(ProcessContext, "agree", lambda self, *a: calls.append(a) or agree(self, *a))
+    engine = make_engine(callbacks=callbacks, train_step=step)
+    data = synthetic(num_samples=256).train
+    engine.fit(data, epochs=2, batch_size=32, progress=False)
+    per_epoch = len(data) // 32
+    assert engine.state.global_step == 2 * per_epoch
+    # per epoch: a check before each step and after the last, then the epoch's end
+    assert len(calls) == (2 * (per_epoch + 2) if per_step else 2)
