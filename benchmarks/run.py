@@ -28,6 +28,7 @@ BENCHMARKS = [
     "pipeline",
     "streams",
     "grpo",
+    "packing",
 ]
 
 

@@ -47,6 +47,14 @@ EXPECTED_KEYS = {
         "step_time_over_trl",
         "max_loss_diff",
     },
+    "packing": {
+        "packing",
+        "rows",
+        "pad_share",
+        "pad_share_one_row",
+        "tokens_per_s",
+        "tokens_per_s_over_greedy",
+    },
 }
 
 

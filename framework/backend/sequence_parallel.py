@@ -19,7 +19,8 @@ Evaluation and prediction run whole sequences on every rank with the core attent
 model's mask (no all-to-all): the outputs of the model without sequence parallelism, at the
 memory of an unsplit forward pass. Limits in training: the attention is causal over the whole
 sequence and ignores `attention_mask` (DeepSpeed drops it), so padding must be on the right (a
-left-padded batch is an error) and packed sequences are not kept apart.
+left-padded batch is an error), and packed rows (position ids restarting per document) are
+refused: the attention would run across their documents.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from framework.data.outputs import is_model_loss
 from framework.errors import ConfigError
 from framework.integrations import hf
 from framework.integrations.hf import predicts_next_token
+from framework.integrations.packed import documents
 from framework.plan.run_plan import Mesh
 
 CORE_ATTENTIONS = ("sdpa", "flash_attention_2", "flash_attention_3")  # what Ulysses wraps; CPU-verified: sdpa
@@ -158,6 +160,13 @@ def shard(batch: Any, mesh: Mesh, label_key: str = "labels") -> Any:
             f"strategy.sequence_parallel.degree={sp} splits every sequence into {sp} equal parts, but this batch's "
             f"sequences have {length} tokens: pad them to a multiple of {sp} (e.g. the tokenizer's "
             f"pad_to_multiple_of={sp}, or a data.seq_len that divides by {sp})"
+        )
+    positions = batch.get("position_ids")
+    if isinstance(positions, torch.Tensor) and positions.dim() == 2 and documents(positions) is not None:
+        raise ConfigError(
+            f"strategy.sequence_parallel.degree={sp}: a batch holds packed rows (position ids restarting per "
+            "document), but the attention under sequence parallelism is causal over whole rows and would run "
+            "across documents: set data.dataset.pack=false, or strategy.sequence_parallel.degree=1"
         )
     out = {k: v for k, v in batch.items() if k not in ("attention_mask", label_key, "shift_labels")}
     if "position_ids" not in out:

@@ -19,7 +19,9 @@
   is one line of the run's output.
 * **adapt**: with an `adapter` (a `peft` config), the model is wrapped by `peft`: only the
   adapter trains. A model the user wrapped already passes as it is. Either way the strategy is
-  checked against what adapters support, one line per refusal (`check_adapted`).
+  checked against what adapters support, one line per refusal (`check_adapted`). A Hugging Face
+  model's attention then keeps packed documents apart however it is called
+  (`framework.integrations.packed`).
 * **partition**: DeepSpeed's engine (`Runtime.initialize`) partitions what is still whole (a
   whole-built model, the adapter's own weights) and hands the optimizer only what trains.
 """
@@ -39,7 +41,7 @@ from torch import nn
 from framework.backend.ds_config import zero_init_config
 from framework.backend.runtime import Runtime
 from framework.errors import ConfigError
-from framework.integrations import hf, peft
+from framework.integrations import hf, packed, peft
 from framework.process.context import ProcessContext
 
 INIT_MODES = ("auto", "whole", "partitioned")
@@ -99,7 +101,7 @@ def adapt(model: nn.Module, adapter: Any, strategy: Any) -> nn.Module:
         model = peft.adapt(model, adapter, causal_lm=hf.predicts_next_token(model))
     if peft.is_adapted(model):
         check_adapted(strategy)
-    return model
+    return packed.keep_documents_apart(model)
 
 
 def check_adapted(strategy: Any) -> None:

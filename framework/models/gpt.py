@@ -3,6 +3,8 @@
 The model is a straight sequence of layers — token embedding, position embedding, blocks,
 final norm, output head tied to the token embedding — so `pipeline_layers()` can hand the
 same layers to DeepSpeed's PipelineModule, with the embedding/head tie kept across stages.
+Packed rows (`position_ids` restarting at each document, `framework.data.bins`) attend within
+their documents (`framework.integrations.packed`); the pipeline stages read plain rows.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from framework.data.labels import IGNORE_INDEX
+from framework.integrations.packed import causal_document_mask, documents
 
 
 class TokenEmbedding(nn.Embedding):
@@ -37,9 +40,9 @@ class PositionEmbedding(nn.Module):
         self.wpe = nn.Embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (B, T, C) token vectors."""
-        pos = torch.arange(x.shape[1], device=x.device)
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (B, T, C) token vectors; `position_ids` (B, T) or (1, T), default 0 .. T-1."""
+        pos = torch.arange(x.shape[1], device=x.device) if position_ids is None else position_ids
         return self.drop(x + self.wpe(pos))
 
 
@@ -61,15 +64,19 @@ class Block(nn.Module):
         self.dropout = dropout
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (B, T, C) -> (B, T, C). Under tensor parallelism `qkv` yields this rank's heads only
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (B, T, C) -> (B, T, C); `mask` (B, 1, T, T) boolean, True where a position may attend
+        another (default: causal). Under tensor parallelism `qkv` yields this rank's heads only
         (a column split of 3 parts), and `proj` sums the ranks' outputs (a row split)."""
         b, t, c = x.shape
         head_dim = c // self.n_head
         q, k, v = self.qkv(self.ln_1(x)).chunk(3, dim=2)
         q, k, v = (z.view(b, t, -1, head_dim).transpose(1, 2) for z in (q, k, v))
         drop = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop)
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop)
         x = x + self.drop(self.proj(y.transpose(1, 2).reshape(b, t, -1)))
         return x + self.drop(self.mlp(self.ln_2(x)))
 
@@ -120,16 +127,20 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids (B, T) -> next-token logits (B, T, vocab_size)."""
-        return self.wte.logits(self.hidden_states(idx))
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (B, T) -> next-token logits (B, T, vocab_size). Packed rows (`position_ids`
+        restarting at each document) attend within their documents only."""
+        return self.wte.logits(self.hidden_states(idx, position_ids))
 
-    def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
+    def hidden_states(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (B, T) -> what the output head reads (B, T, n_embd); with `output_head`, what
         a loss that applies the head itself in chunks needs (`framework.methods.chunked`)."""
-        x = self.pos(self.wte(idx))
+        x = self.pos(self.wte(idx), position_ids)
+        mask = None
+        if position_ids is not None and documents(position_ids) is not None:
+            mask = causal_document_mask(position_ids.expand(idx.shape[0], -1))
         for block in self.blocks:
-            x = block(x)
+            x = block(x, mask)
         return self.ln_f(x)
 
     def output_head(self) -> nn.Module:

@@ -122,6 +122,10 @@ def test_what_sequence_parallelism_cannot_take_is_a_one_line_error():
     with pytest.raises(ConfigError) as err:
         sp.training_batch({**_batch(), "attention_mask": MASK.flip(1)}, _mesh(0), ModelLoss())
     _one_line(err, "padded on the left", "padding_side='right'")
+    packed = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]).expand(IDS.shape[0], -1)
+    with pytest.raises(ConfigError) as err:
+        sp.training_batch({**_batch(), "position_ids": packed}, _mesh(0), ModelLoss())
+    _one_line(err, "packed rows", "data.dataset.pack=false")
     strategy = Strategy(sequence_parallel={"degree": 2})
     with pytest.raises(ConfigError) as err:
         check_model(strategy, _mesh(0), GPT(vocab_size=16, block_size=8, n_layer=1, n_head=2, n_embd=8))

@@ -14,9 +14,11 @@ tokenizer (the model directory's, or `tokenizer=DIR`) renders them with its chat
 
 A conversation longer than `max_length` tokens is cut there; one with no label that counts is
 dropped (each counted, in one line). Rows are `{"input_ids", "labels", "attention_mask"}`, padded
-per batch (pad token, labels -100), or with `pack=True` blocks of `max_length` tokens holding
-whole conversations kept apart (position ids restart, `framework.data.packing`), the same
-per-token loss as unpacked. A file's rows are rendered once and kept (`cache`,
+per batch (pad token, labels -100), or with `pack=True` rows of whole conversations kept apart
+(position ids restart): best-fit-decreasing bins of at most `max_length` tokens with no padding
+inside, a batch padded only to its longest row (`framework.data.bins`), the same per-token loss
+as unpacked; streamed (`streaming=True`), conversations are packed as they come into blocks of
+`max_length` tokens, padded (`framework.data.packing`). A file's rows are rendered once and kept (`cache`,
 `framework.data.datasets.cache`; a progress bar while it takes long). `streaming=True` reads the
 files as a `framework.data.streams.Stream` (never loaded whole, exact resume).
 """
@@ -30,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from framework.data.bins import PackedCollator, pack_rows
 from framework.data.datasets.cache import encoded_splits
 from framework.data.datasets.classification import Splits
 from framework.data.datasets.counted import say
@@ -38,7 +41,7 @@ from framework.data.datasets.hf import EveryNth, TokenizedSplits, with_tokenizer
 from framework.data.datasets.render import GENERATION_MARKER, ChatEncoder, chat_tokenizer, template_of
 from framework.data.datasets.sources import WHERE, data_paths, first_row, streamed
 from framework.data.datasets.text_classification import PadCollator
-from framework.data.packing import Packer, packed
+from framework.data.packing import packed
 from framework.data.streams import DEFAULT_SHARDS, Stream
 from framework.errors import ConfigError
 
@@ -67,19 +70,6 @@ def _row(ids: Any, labels: Any) -> dict[str, np.ndarray]:
         "labels": np.asarray(labels, dtype=np.int64),
         "attention_mask": np.ones(len(ids), dtype=np.int64),
     }
-
-
-def pack_conversations(
-    conversations: list[tuple[Any, Any]], block_size: int, pad_id: int
-) -> list[dict[str, np.ndarray]]:
-    """Whole conversations packed into blocks of `block_size` tokens, kept apart."""
-    packer = Packer(1, _as_document, block_size, eos_id=pad_id, keep_apart=True, pad_id=pad_id)
-    blocks = [b for i, c in enumerate(conversations) for b, _ in packer.feed(i, c)]
-    return blocks + [b for b, _ in packer.flush()]
-
-
-def _as_document(conversation: tuple[Any, Any]) -> tuple[Any, Any]:
-    return conversation
 
 
 def _as_dataset(rows: list[dict[str, np.ndarray]]) -> Any:
@@ -132,24 +122,26 @@ def hf_chat(
     )
     paths = data_paths(data_files)
     held_out = data_paths(validation_files, "validation_files") if validation_files is not None else None
-    collate = None if pack else PadCollator(_pad_id(tok))
     if streaming:
         every = round(1 / val_fraction) if val_fraction else 0
         train, valid = _streams(encoder, paths, held_out, builder, every, pack, shards, seed)
-        return with_tokenizer(Splits(train, valid), tok, collate_fn=collate)
+        return with_tokenizer(
+            Splits(train, valid), tok, collate_fn=None if pack else PadCollator(_pad_id(tok))
+        )
     conversations, validation = encoded_splits(
         encoder, paths, held_out, builder, cache, val_fraction, split_seed
     )
-    splits = Splits(_rows(conversations, pack, max_length, tok), _rows(validation, pack, max_length, tok))
+    splits = Splits(_rows(conversations, pack, max_length), _rows(validation, pack, max_length))
+    collate = PackedCollator(_pad_id(tok)) if pack else PadCollator(_pad_id(tok))
     return with_tokenizer(splits, tok, collate_fn=collate)
 
 
-def _rows(part: list[dict[str, np.ndarray]], pack: bool, max_length: int, tok: Any) -> Any:
-    """Kept conversations as a dataset of rows, or of packed blocks (None for none)."""
+def _rows(part: list[dict[str, np.ndarray]], pack: bool, max_length: int) -> Any:
+    """Kept conversations as a dataset of rows, or of packed rows (None for none)."""
     if not part:
         return None
     pairs = [(c["input_ids"], c["labels"]) for c in part]
-    rows = pack_conversations(pairs, max_length, _pad_id(tok)) if pack else [_row(*c) for c in pairs]
+    rows = pack_rows(pairs, max_length) if pack else [_row(*c) for c in pairs]
     return _as_dataset(rows)
 
 
