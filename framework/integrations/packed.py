@@ -24,13 +24,20 @@ HOOKED = "_framework_documents_apart"  # set on a model whose forward has the ho
 KEPT_APART = ("eager", "sdpa")  # attention implementations the hook builds a mask for
 
 
-def documents(position_ids: torch.Tensor) -> torch.Tensor | None:
+def documents(position_ids: torch.Tensor, attention_mask: Any = None) -> torch.Tensor | None:
     """(rows, length) index of each position's document within its row, or None when no row
-    holds more than one document."""
+    holds more than one document. With a 2-D `attention_mask`, a restart next to padding is not
+    a document's start: left-padded prompts and right-padded completions (position ids that
+    follow the mask, as generation lays them out) are one document each."""
     start = position_ids[:, :1] - 1
     steps = torch.diff(position_ids, prepend=start, dim=-1)
     found = (steps != 1).cumsum(-1)
-    return found if bool((found[:, -1] > 0).any()) else None
+    restarts = found[:, -1] > 0
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.shape == position_ids.shape:
+        real = attention_mask.to(torch.bool)
+        after_real = torch.nn.functional.pad(real[:, :-1], (1, 0), value=False)
+        restarts = ((steps != 1) & real & after_real).any(-1)
+    return found if bool(restarts.any()) else None
 
 
 def causal_document_mask(
@@ -70,7 +77,7 @@ def _apart(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return None
     if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
         return None  # a 4-D mask is the caller's own
-    if documents(positions) is None:
+    if documents(positions, mask) is None:
         return None
     core = getattr(getattr(module, "config", None), "_attn_implementation", None)
     if core not in KEPT_APART:

@@ -23,6 +23,8 @@ Rule: imports the packages below it (`engine` included), never `recipe` or `cli`
 is a new module here, registered by its `name`, and nothing else changes.
 """
 
+import importlib
+import importlib.util
 from typing import Any
 
 from framework.methods.base import Method, method_class, registered
@@ -32,7 +34,11 @@ __all__ = ["Method", "method_class", "registered"]
 
 def __getattr__(name: str) -> Any:
     """A method's class or options class by its class name (`from framework.methods import DPO,
-    DPOConfig`), found in the registry: a new method is importable from here without an edit."""
+    DPOConfig`), found in the registry: a new method is importable from here without an edit.
+    A submodule's name is the submodule (`from framework.methods import chunked` inside a method
+    module imports it, not every method, which would import that module half-made)."""
+    if importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")
     for cls in registered().values():
         for found in (cls, cls.Config):
             if found.__name__ == name:

@@ -159,3 +159,20 @@ def test_a_mask_is_causal_within_documents_and_off_padding():
     mask = causal_document_mask(positions, torch.tensor([[1, 1, 1, 1, 1, 0]]))[0, 0]
     assert mask[4].tolist() == [False, False, False, True, True, False]
     assert mask[5].tolist() == [False] * 5 + [True]  # padding sees itself only
+
+
+def test_rows_laid_out_for_generation_are_not_packed_rows():
+    """A left-padded prompt with its right-padded completion (position ids that follow the mask,
+    GRPO's layout) restarts only next to padding: one document, left to the model's own mask,
+    and no refusal under sequence parallelism; a restart between two real tokens is packed."""
+    from framework.methods.rollout import laid_out
+
+    prompt_mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    completion_mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    batch = laid_out(
+        torch.ones(2, 4, dtype=torch.long), prompt_mask, torch.ones(2, 3, dtype=torch.long), completion_mask
+    )
+    assert documents(batch.position_ids) is not None  # restarts, seen without the mask
+    assert documents(batch.position_ids, batch.attention_mask) is None
+    packed = torch.tensor([[0, 1, 0, 1, 2, 2]])
+    assert documents(packed, torch.tensor([[1, 1, 1, 1, 1, 0]])) is not None
