@@ -162,8 +162,11 @@ def shard(batch: Any, mesh: Mesh, label_key: str = "labels") -> Any:
             f"pad_to_multiple_of={sp}, or a data.seq_len that divides by {sp})"
         )
     positions = batch.get("position_ids")
-    packed = isinstance(positions, torch.Tensor) and positions.dim() == 2
-    if packed and documents(positions, batch.get("attention_mask")) is not None:
+    if (
+        isinstance(positions, torch.Tensor)
+        and positions.dim() == 2
+        and documents(positions, batch.get("attention_mask")) is not None
+    ):
         raise ConfigError(
             f"strategy.sequence_parallel.degree={sp}: a batch holds packed rows (position ids restarting per "
             "document), but the attention under sequence parallelism is causal over whole rows and would run "
