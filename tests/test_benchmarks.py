@@ -47,6 +47,7 @@ EXPECTED_KEYS = {
         "step_time_over_trl",
         "max_loss_diff",
     },
+    "footprint": {"stage", "framework", "rss_MB", "ours_over_trl"},
 }
 
 
