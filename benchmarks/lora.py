@@ -1,4 +1,5 @@
-"""LoRA next to full fine-tuning: the same Llama-style model and global batch, ZeRO-3 on 2 processes.
+"""LoRA next to full fine-tuning: the same Llama-style model and global batch, ZeRO-3 on 2 processes;
+and LoRA with transformers' gradient checkpointing turned on, as users turn it on.
 
 Per setup, in fresh worker processes: peak RSS per rank above the RSS after imports, median step
 time (AdamW), and the size of the checkpoint written at the end (every rank's files). LoRA: r=8
@@ -32,8 +33,11 @@ def _rss() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
-def worker(adapter: bool, size: str, steps: int, batch: int, seq: int) -> dict[str, Any]:
-    """One setup on every rank; rank 0's numbers are returned."""
+def worker(
+    adapter: bool, size: str, steps: int, batch: int, seq: int, checkpointing: bool = False
+) -> dict[str, Any]:
+    """One setup on every rank; rank 0's numbers are returned. `checkpointing`: transformers'
+    gradient checkpointing (non-reentrant), turned on by the user on the model."""
     import peft
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -49,6 +53,8 @@ def worker(adapter: bool, size: str, steps: int, batch: int, seq: int) -> dict[s
     )  # fmt: skip
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     tokens = torch.randint(0, vocab, (batch * (steps + 1), seq), generator=torch.Generator().manual_seed(0))
     data = [{"input_ids": t, "labels": t} for t in tokens]
     lora = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear")
@@ -78,7 +84,8 @@ def worker(adapter: bool, size: str, steps: int, batch: int, seq: int) -> dict[s
     engine.close()
     return {
         "model": size,
-        "setup": "LoRA r=8 ZeRO-3" if adapter else "full ZeRO-3",
+        "setup": ("LoRA r=8 ZeRO-3" if adapter else "full ZeRO-3")
+        + (" + checkpointing" if checkpointing else ""),
         "params_M": total / 1e6,
         "trainable_M": trainable / 1e6,
         "peak_minus_baseline_MB": (peak - baseline) / 2**20,
@@ -87,11 +94,14 @@ def worker(adapter: bool, size: str, steps: int, batch: int, seq: int) -> dict[s
     }
 
 
-def measure(adapter: bool, size: str, steps: int, batch: int, seq: int, nproc: int = 2) -> dict[str, Any]:
+def measure(
+    adapter: bool, size: str, steps: int, batch: int, seq: int, nproc: int = 2, checkpointing: bool = False
+) -> dict[str, Any]:
     """A setup in `nproc` fresh worker processes."""
     from framework.process.launch import spawn
 
-    return {**spawn(worker, (adapter, size, steps, batch, seq), nproc), "ranks": nproc, "global_batch": batch}
+    args = (adapter, size, steps, batch, seq, checkpointing)
+    return {**spawn(worker, args, nproc), "ranks": nproc, "global_batch": batch}
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -103,8 +113,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     full, lora = (measure(adapter, size, steps, batch, seq) for adapter in (False, True))
     for key in ("peak_minus_baseline_MB", "step_ms", "checkpoint_MB"):
         lora[f"{key}_lora_over_full"] = lora[key] / full[key] if full[key] else float("nan")
-    rows = [full, lora]
-    print_table("LoRA vs full fine-tuning, ZeRO-3, 2 processes", rows)
+    checkpointed = measure(True, size, steps, batch, seq, checkpointing=True)
+    for key in ("peak_minus_baseline_MB", "step_ms"):
+        checkpointed[f"{key}_over_lora"] = checkpointed[key] / lora[key] if lora[key] else float("nan")
+    rows = [full, lora, checkpointed]
+    print_table("LoRA vs full fine-tuning, ZeRO-3, 2 processes; LoRA with gradient checkpointing", rows)
     write(
         "lora",
         rows,

@@ -29,6 +29,7 @@ BENCHMARKS = [
     "streams",
     "grpo",
     "packing",
+    "footprint",
 ]
 
 
@@ -187,6 +188,15 @@ def summary(out_dir: Path, command: str) -> str:
                 f"{row['seconds']:.0f} s, {row['reward_first10']:.2f} -> {row['reward_last10']:.2f}",
                 "< 300 s, >= 0.8",
                 ok,
+            )
+    for row in _rows("footprint", out_dir):
+        r = row["ours_over_trl"]
+        if row["framework"] == "hydraspeed" and row["stage"] == "after building the run":
+            add(
+                "footprint: RSS after imports + building a tiny LoRA run, ours / TRL's stack",
+                f"{r:.2f} ({row['rss_MB']:.0f} MB)" if r is not None else f"{row['rss_MB']:.0f} MB (no TRL)",
+                "<= 1.05",
+                r is None or r <= 1.05,
             )
     m = machine()
     head = (

@@ -21,8 +21,8 @@ from framework.export import main as export
 
 from .conftest import ROOT, end_group, subprocess_env
 
-pytest.importorskip("peft")
-pytest.importorskip("transformers")
+pytest.importorskip("peft", reason="needs the hf extra: pip install -e '.[hf]'")
+pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
 
 from tests.helpers.tiny_lora import train_adapter, write_base  # noqa: E402
 

@@ -14,6 +14,24 @@ import warnings
 from typing import Any
 
 
+def load() -> Any:
+    """Import DeepSpeed (once) without the `mlflow` it would import: its autotuner module, imported
+    with the package, tries `import mlflow` (~115 MB and ~3 s with SciPy, which mlflow imports) only
+    to report its own trials. Blocked for the duration of that first import unless mlflow is already
+    imported (`logger=mlflow` imports it itself, before or after, and gets the real module)."""
+    if "deepspeed" in sys.modules:
+        return sys.modules["deepspeed"]
+    block = "mlflow" not in sys.modules
+    if block:
+        sys.modules["mlflow"] = None  # type: ignore[assignment]  # `import mlflow` raises ImportError
+    try:
+        import deepspeed
+    finally:
+        if block and "mlflow" in sys.modules and sys.modules["mlflow"] is None:
+            del sys.modules["mlflow"]
+    return deepspeed
+
+
 def join(ctx: Any) -> None:
     """Make DeepSpeed use the context's accelerator and process group (`ctx`: a started
     `framework.process.context.ProcessContext`); its cached groups go when the context closes.
@@ -22,6 +40,7 @@ def join(ctx: Any) -> None:
     if _stale_groups():
         forget_groups()
     use_accelerator(ctx.accelerator)
+    load()
     import deepspeed
     import deepspeed.ops
 
@@ -62,6 +81,7 @@ def quiet(verbose: bool = False, accelerator: str | None = None) -> None:
 def quiet_logging() -> None:
     """DeepSpeed's own logger at ERROR."""
     with contextlib.suppress(Exception):
+        load()
         from deepspeed.utils import set_log_level_from_string
 
         set_log_level_from_string("error")

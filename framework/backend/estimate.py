@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from framework.backend import parallel, recompute
+from framework.backend import deepspeed_globals, parallel, recompute
 from framework.plan.cost import model_state_bytes, optimizer_state_bytes_per_param, param_counts, split_numel
 from framework.plan.run_plan import mesh_of
 from framework.plan.strategy import Strategy
@@ -19,6 +19,8 @@ def deepspeed_estimate(
     """DeepSpeed's own estimator (it assumes fp16 mixed precision + Adam) for stages 2 and 3, else None."""
     stage = strategy.sharding.stage
     offload = strategy.sharding.offload_optimizer
+    if stage in (2, 3):
+        deepspeed_globals.load()  # a cost asked before any run: DeepSpeed without mlflow
     if stage == 2:
         from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 

@@ -20,6 +20,8 @@ from typing import Any
 
 from torch import nn
 
+from framework.backend import deepspeed_globals
+
 
 def _parameter_offload(ds_engine: Any) -> Any:
     """ZeRO-3's parameter-offload object of a DeepSpeed engine (its hooks), or None."""
@@ -50,7 +52,7 @@ def whole(module: nn.Module, ds_engine: Any, zero3: bool) -> Iterator[nn.Module]
     if not zero3:
         yield module
         return
-    import deepspeed
+    deepspeed = deepspeed_globals.load()
 
     offload = _parameter_offload(ds_engine)
     with deepspeed.zero.GatheredParameters(list(module.parameters())):

@@ -65,7 +65,7 @@ class Runtime(RuntimeState):
         partitioned, never whole on one rank), nothing otherwise."""
         if not self.strategy.partitions_parameters:
             return contextlib.nullcontext()
-        import deepspeed
+        deepspeed = deepspeed_globals.load()
 
         self.start()
         return deepspeed.zero.Init(
@@ -84,7 +84,7 @@ class Runtime(RuntimeState):
         """Hand the model (and optimizer) to `deepspeed.initialize`, once. The learning-rate
         schedule comes with training's step budget (`schedule`), not here: a build for
         evaluation or loading must not freeze it."""
-        import deepspeed
+        deepspeed = deepspeed_globals.load()
 
         process = self.start()
         deepspeed_globals.quiet()
@@ -302,7 +302,7 @@ class Runtime(RuntimeState):
         own DeepSpeed engine without an optimizer (partitioned over the ranks, gathered layer by
         layer in its forward pass); otherwise the module on this rank's device. Call it after
         `initialize` (the trained model's config is reused, its optimizer left out)."""
-        import deepspeed
+        deepspeed = deepspeed_globals.load()
 
         module.requires_grad_(False).eval()
         if not self._is_zero3():

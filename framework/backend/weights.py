@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from framework.backend import expert_parallel
+from framework.backend import deepspeed_globals, expert_parallel
 from framework.backend import pipeline as pipeline_lib
 from framework.errors import CheckpointError
 from framework.integrations.hf import is_hf_model
@@ -41,7 +41,7 @@ def consolidate(
     tensor}) gives them where DeepSpeed offers no accessor (ZeRO-0 under mixed precision).
     Experts split by expert parallelism come back whole, under the model's own names. `process`:
     the job's context (None: this process alone)."""
-    import deepspeed
+    deepspeed = deepspeed_globals.load()
     from deepspeed.utils import safe_get_full_fp32_param
 
     keep = on_every_rank or process is None or process.is_main
@@ -126,7 +126,7 @@ def load_whole(module: nn.Module, zero3: bool, state: dict[str, Any], rank: int 
     tensor parallelism split is made whole, loaded on every rank and split again. Buffers are
     loaded on every rank. Keys and whole shapes must match exactly, as `load_state_dict(strict=True)`.
     `rank`: this process's global rank."""
-    import deepspeed
+    deepspeed = deepspeed_globals.load()
 
     expert_parallel.refuse_whole_weights(module)
     entries = module.state_dict(keep_vars=True)

@@ -10,8 +10,8 @@ from framework.checkpoint import store
 
 from ..conftest import end_group
 
-pytest.importorskip("peft")
-pytest.importorskip("transformers")
+pytest.importorskip("peft", reason="needs the hf extra: pip install -e '.[hf]'")
+pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
 
 from tests.helpers.tiny_lora import adapter_engine, token_data, train_adapter, write_base  # noqa: E402
 

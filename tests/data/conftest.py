@@ -12,7 +12,7 @@ import pytest
 def tokenizers(tmp_path_factory):
     """Directories of the tiny Llama-3-like chat tokenizer with and without generation markers,
     and of the tiny ChatML one with markers."""
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
     from tests.helpers.tiny_chat import tiny_chat_tokenizer, tiny_chatml_tokenizer
 
     root = tmp_path_factory.mktemp("tokenizers")

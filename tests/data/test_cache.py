@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
 
 from framework.data.datasets import cache as cache_module  # noqa: E402
 from framework.data.datasets.chat import hf_chat  # noqa: E402

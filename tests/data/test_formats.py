@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
 
 from framework import ConfigError  # noqa: E402
 from framework.data.datasets.chat import hf_chat  # noqa: E402
@@ -108,8 +108,8 @@ def test_prompt_completion_rows_tokenize_as_trls_sft_trainer(tokenizers, tmp_pat
     """Plain strings are raw text (no template, EOS appended) with the loss on the completion's
     tokens only; message lists go through the template, the completion what it renders after the
     prompt (ChatML's newline after <|im_end|> included): TRL's SFTTrainer's tokens and labels."""
-    trl = pytest.importorskip("trl")
-    datasets = pytest.importorskip("datasets")
+    trl = pytest.importorskip("trl", reason="needs the bench extra: pip install -e '.[bench]'")
+    datasets = pytest.importorskip("datasets", reason="needs the hf extra: pip install -e '.[hf]'")
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizers.chatml)

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
 
 from framework import ConfigError  # noqa: E402
 from framework.data.datasets.preference import (
@@ -66,7 +66,7 @@ def dpo_losses(model, splits, steps):
 def lora(tokenizer, trained: bool = False):
     """A tiny Llama with fresh LoRA adapters (`trained`: their B matrices random, so the policy
     differs from its reference, the base, from the first step)."""
-    peft = pytest.importorskip("peft")
+    peft = pytest.importorskip("peft", reason="needs the hf extra: pip install -e '.[hf]'")
     torch.manual_seed(1)
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     model = peft.get_peft_model(tiny_llama(tokenizer, seed=0), config)
@@ -107,7 +107,7 @@ def test_an_implicit_prompt_gives_the_explicit_prompts_rows_and_dpo_losses(token
     ],
 )
 def test_an_implicit_text_prompt_is_trls(chosen, rejected):
-    trl = pytest.importorskip("trl")
+    trl = pytest.importorskip("trl", reason="needs the bench extra: pip install -e '.[bench]'")
     if not chosen:
         return  # TRL's own ends at chosen[-1]; here an empty answer keeps an empty prompt
     assert implicit_prompt(chosen, rejected) == tuple(
@@ -117,8 +117,8 @@ def test_an_implicit_text_prompt_is_trls(chosen, rejected):
 
 def trl_rows(tokenizer, records, tmp_path):
     """TRL's tokens of each pair: prompt + answer, and which are the answer's."""
-    trl = pytest.importorskip("trl")
-    datasets = pytest.importorskip("datasets")
+    trl = pytest.importorskip("trl", reason="needs the bench extra: pip install -e '.[bench]'")
+    datasets = pytest.importorskip("datasets", reason="needs the hf extra: pip install -e '.[hf]'")
     args = trl.DPOConfig(output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, max_length=None)
     trainer = trl.DPOTrainer(
         model=tiny_llama(tokenizer), ref_model=tiny_llama(tokenizer, seed=1), args=args,
@@ -180,8 +180,8 @@ def test_chatml_pairs_take_trls_tokens_and_markers_cut_at_the_markers(tokenizers
 def test_dpo_with_lora_on_chatml_with_markers_equals_trl_over_10_steps(tokenizers, tmp_path):
     """Issue 49's acceptance: the losses of 10 SGD steps of DPO with LoRA, on a ChatML template
     whose generation markers leave the newline after <|im_end|> out, are TRL's (1e-5)."""
-    trl = pytest.importorskip("trl")
-    datasets = pytest.importorskip("datasets")
+    trl = pytest.importorskip("trl", reason="needs the bench extra: pip install -e '.[bench]'")
+    datasets = pytest.importorskip("datasets", reason="needs the hf extra: pip install -e '.[hf]'")
     records = [as_messages(p) for p in PAIRS]
     ours = hf_preference(
         str(write_pairs_jsonl(tmp_path / "p.jsonl", records)), tokenizer=tokenizers.chatml, val_fraction=0

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
 
 from framework import ConfigError  # noqa: E402
 from framework.data.datasets.chat import hf_chat  # noqa: E402

@@ -194,7 +194,7 @@ def test_documents_kept_apart_give_the_loss_of_one_document_per_row():
     Hugging Face Llama's per-token loss over a block equals its loss over the same documents one
     per row (fp32), also through the framework's training step (the model in training mode, its
     configured key/value cache on: a cache would hide the packing from the attention)."""
-    transformers = pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

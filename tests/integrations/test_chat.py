@@ -13,7 +13,7 @@ from tests.helpers.tiny_chat import chat_template, write_chat_jsonl, write_tiny_
 
 from ..conftest import run_train
 
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -56,7 +56,7 @@ def test_lora_on_chat_data_under_zero3_on_two_ranks_is_the_one_rank_update_and_e
     tokens as the template's markers mark them, though the run finds them without the markers
     (the config's template is the same one without them: prefix renders); ZeRO-3 on 2 ranks and
     ZeRO-0 on one train the same adapter; the adapter exports for PEFT and merged."""
-    peft = pytest.importorskip("peft")
+    peft = pytest.importorskip("peft", reason="needs the hf extra: pip install -e '.[hf]'")
     from safetensors.torch import load_file
 
     from framework.export import main as export

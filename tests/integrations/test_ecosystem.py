@@ -20,7 +20,7 @@ from framework.recipe import model as construct
 
 from ..conftest import ROOT, end_group, fails_cleanly, run_cmd, subprocess_env
 
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
 pytestmark = pytest.mark.timeout(300)
 
 CONF = ROOT / "conf"

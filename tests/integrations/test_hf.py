@@ -19,7 +19,7 @@ from framework import Engine, Strategy
 
 from ..conftest import ROOT, end_group, run_cmd, run_train
 
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
 pytestmark = pytest.mark.timeout(300)
 
 

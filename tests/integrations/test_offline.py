@@ -11,7 +11,7 @@ import pytest
 
 from framework.errors import ConfigError
 
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
 
 
 @pytest.fixture

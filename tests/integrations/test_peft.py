@@ -20,8 +20,8 @@ from framework.integrations import peft as adapters
 
 from ..conftest import ROOT, run_cmd, torchrun
 
-peft = pytest.importorskip("peft")
-transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft", reason="needs the hf extra: pip install -e '.[hf]'")
+transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
 
 
 def tiny_llama():

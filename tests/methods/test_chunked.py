@@ -20,8 +20,8 @@ from framework.methods.tokens import answer_stats, score_answers
 from framework.models import GPT
 from tests.conftest import run_layout_script
 
-peft = pytest.importorskip("peft")
-transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft", reason="needs the hf extra: pip install -e '.[hf]'")
+transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
 
 V, T, ROWS = 97, 12, 3
 LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -43,8 +43,8 @@ def _messages(value, role):
 def trl_batch(tmp_path_factory):
     """TRL's DPOTrainer over the 8 pairs (policy and reference two different tiny Llamas): its
     first batch, its loss and reward metrics, and our pairs data over the same file."""
-    datasets = pytest.importorskip("datasets")
-    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets", reason="needs the hf extra: pip install -e '.[hf]'")
+    trl = pytest.importorskip("trl", reason="needs the bench extra: pip install -e '.[bench]'")
     tmp = tmp_path_factory.mktemp("dpo")
     tok = tiny_chat_tokenizer()
     policy, reference = tiny_llama(tok, seed=0), tiny_llama(tok, seed=1)
@@ -166,7 +166,7 @@ def test_policy_equal_to_reference_gives_ln2(trl_batch):
 
 def test_peft_reference_is_the_model_with_adapters_disabled(trl_batch):
     """Under LoRA no copy is kept: fresh adapters give ln 2; trained ones the loss against the base."""
-    peft = pytest.importorskip("peft")
+    peft = pytest.importorskip("peft", reason="needs the hf extra: pip install -e '.[hf]'")
     base = tiny_llama(tiny_chat_tokenizer(), seed=2)
     model = peft.get_peft_model(
         copy.deepcopy(base), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])

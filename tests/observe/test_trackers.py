@@ -25,8 +25,8 @@ from framework.process.environment import free_port
 
 from ..conftest import FAST, ROOT, run_train, subprocess_env
 
-pytest.importorskip("tensorboard")
-pytest.importorskip("mlflow")
+pytest.importorskip("tensorboard", reason="needs the trackers extra: pip install -e '.[trackers]'")
+pytest.importorskip("mlflow", reason="needs the trackers extra: pip install -e '.[trackers]'")
 
 
 def scalars(log_dir) -> dict[str, list[tuple[int, float]]]:

@@ -372,7 +372,7 @@ def test_training_mode_comes_back_after_a_failed_evaluation():
 
 def test_a_hugging_face_schedule_gets_the_run_budget():
     """`num_training_steps` is filled like `total_steps`: the schedule ends at 0 on the last step."""
-    transformers = pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
     schedule = functools.partial(transformers.get_cosine_schedule_with_warmup, num_warmup_steps=2)
     e, lrs = engine(scheduler=schedule), LrPerStep()
     e.fit(DATA.train, epochs=2, batch_size=BATCH, callbacks=[lrs])

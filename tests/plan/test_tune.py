@@ -176,7 +176,7 @@ def test_paper_plan_agrees_with_deepspeeds_estimators(size, devices):
     `estimate_zero2/3_model_states_mem_needs_all_cold` (the figures those print, which leave
     buffers out: so does this comparison), for the 8 B Llama on 64 ranks of the paper plan and two
     more."""
-    transformers = pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
@@ -200,7 +200,7 @@ def test_paper_plan_agrees_with_deepspeeds_estimators(size, devices):
 def test_the_paper_plan_ranks_what_fits_first():
     """An 8 B Llama in bf16 on 64 x 80 GB: ZeRO-0's 16 bytes per parameter do not fit on paper,
     ZeRO-1 (the simplest that does) comes first; on 64 x 10 GB only sharded or split layouts fit."""
-    transformers = pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
     config = transformers.LlamaConfig(num_key_value_heads=8, vocab_size=128256, **LLAMAS["8B"])
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
