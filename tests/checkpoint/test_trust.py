@@ -221,7 +221,11 @@ def _race_for_the_lock(ckpt_dir: str, start, results, hold) -> None:
 def test_two_runs_starting_together_cannot_both_take_the_lock(tmp_path):
     import multiprocessing
 
-    context = multiprocessing.get_context("fork")
+    # not "fork": a child forked from this process (which earlier tests left with threads) can
+    # crash before it runs (a segfault in its first garbage collection was seen); the fork server
+    # is a fresh process, and its children fork from it with this module already imported
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
     for attempt in range(10):
         start, hold, results = context.Barrier(2), context.Event(), context.Queue()
         ckpt_dir = str(tmp_path / str(attempt))
