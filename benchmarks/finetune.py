@@ -43,10 +43,14 @@ def prepare(work: Path, vocab: int, hidden: int, layers: int, length: int, steps
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 8 // 3, num_hidden_layers=layers,
-        num_attention_heads=8 if hidden >= 256 else 4, num_key_value_heads=4 if hidden >= 256 else 2,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 8 // 3,
+        num_hidden_layers=layers,
+        num_attention_heads=8 if hidden >= 256 else 4,
+        num_key_value_heads=4 if hidden >= 256 else 2,
         max_position_embeddings=2 * length,
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(work / "model")
     g = torch.Generator().manual_seed(0)
@@ -78,8 +82,11 @@ def run(side: str, work: Path) -> dict[str, Any]:
     )
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.finetune_worker", side, str(work)],
-        cwd=ROOT, env=env, capture_output=True, text=True,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if out.returncode != 0:
         raise RuntimeError(f"{side}: {out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -114,11 +114,24 @@ def run_trl(work: Path, job: dict[str, Any], rows: list[Any]) -> dict[str, Any]:
             return torch.utils.data.SequentialSampler(self.train_dataset)
 
     args = trl.SFTConfig(
-        output_dir=str(work / "trl"), per_device_train_batch_size=job["micro_batch"], max_steps=job["steps"],
-        learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, optim="adamw_torch",
-        bf16=False, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, max_length=None,
-        dataset_kwargs={"skip_prepare_dataset": True}, disable_tqdm=True, dataloader_num_workers=0,
-    )  # fmt: skip
+        output_dir=str(work / "trl"),
+        per_device_train_batch_size=job["micro_batch"],
+        max_steps=job["steps"],
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=0.0,
+        optim="adamw_torch",
+        bf16=False,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        max_length=None,
+        dataset_kwargs={"skip_prepare_dataset": True},
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
     trainer = InOrder(
         model=_model(work, job["rank"]),
         args=args,

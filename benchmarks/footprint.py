@@ -44,9 +44,14 @@ def _tiny_llama() -> Any:
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config)
 
@@ -72,9 +77,12 @@ def ours() -> dict[str, Any]:
 
     imports = _rss_mb()
     engine = Engine(
-        _tiny_llama(), optimizer=functools.partial(torch.optim.AdamW, lr=1e-4), train_step=SFT(),
-        strategy=Strategy(sharding={"stage": 0}), adapter=_lora(),
-    )  # fmt: skip
+        _tiny_llama(),
+        optimizer=functools.partial(torch.optim.AdamW, lr=1e-4),
+        train_step=SFT(),
+        strategy=Strategy(sharding={"stage": 0}),
+        adapter=_lora(),
+    )
     engine.prepare("train", batch_size=2)
     built = _rss_mb()
     heavy = [m for m in HEAVY if m in sys.modules]
@@ -97,14 +105,23 @@ def trl() -> dict[str, Any]:
     )
     rows = [{"input_ids": [2, 3, 4, 5], "labels": [-100, -100, 4, 5]}] * 4
     args = trl.SFTConfig(
-        output_dir=os.environ.get("FOOTPRINT_TMP", "."), per_device_train_batch_size=2, max_steps=1,
-        report_to=[], use_cpu=True, save_strategy="no", dataset_kwargs={"skip_prepare_dataset": True},
-        disable_tqdm=True, dataloader_num_workers=0,
-    )  # fmt: skip
+        output_dir=os.environ.get("FOOTPRINT_TMP", "."),
+        per_device_train_batch_size=2,
+        max_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        dataset_kwargs={"skip_prepare_dataset": True},
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
     trl.SFTTrainer(
-        model=_tiny_llama(), args=args, train_dataset=datasets.Dataset.from_list(rows),
-        processing_class=tokenizer, peft_config=_lora(),
-    )  # fmt: skip
+        model=_tiny_llama(),
+        args=args,
+        train_dataset=datasets.Dataset.from_list(rows),
+        processing_class=tokenizer,
+        peft_config=_lora(),
+    )
     built = _rss_mb()
     return {"imports_MB": imports, "built_MB": built, "heavy": [m for m in HEAVY if m in sys.modules]}
 

@@ -69,9 +69,15 @@ def train(batched: list[dict[str, torch.Tensor]], hidden: int, budget: int) -> t
     from framework.integrations.packed import keep_documents_apart
 
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, attn_implementation="sdpa",
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(0)
     model = keep_documents_apart(LlamaForCausalLM(config))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)

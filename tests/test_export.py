@@ -105,9 +105,14 @@ def exports_limited(exports: list[list[str]], limit: int) -> subprocess.Complete
 
     code = f"from framework.export import main\nfor args in {exports!r}:\n    print(f'rc={{main(args)}}', flush=True)"
     return subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=180,
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
         preexec_fn=limited,
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.slow

@@ -49,9 +49,7 @@ def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]
     return [sorted(b) for b in bins]
 
 
-def pack_rows(
-    documents: Sequence[tuple[Any, Any]], capacity: int
-) -> list[dict[str, np.ndarray]]:  # fmt: skip
+def pack_rows(documents: Sequence[tuple[Any, Any]], capacity: int) -> list[dict[str, np.ndarray]]:
     """`documents` ((ids, labels) each, at most `capacity` tokens) as padding-free rows of
     best-fit-decreasing bins (see the module doc)."""
     bins = best_fit_decreasing([len(ids) for ids, _ in documents], capacity)

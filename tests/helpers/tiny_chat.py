@@ -190,6 +190,21 @@ def tiny_llama(tokenizer: Any, seed: int = 0, hidden_size: int = 32, layers: int
     return transformers.LlamaForCausalLM(config)
 
 
+def random_lora(model: Any, **lora: Any) -> Any:
+    """`model` with LoRA adapters (`peft.LoraConfig(**lora)`, lora_A drawn from seed 1), their B
+    matrices random too, so that the adapters change the model from the first step."""
+    import peft
+    import torch
+
+    torch.manual_seed(1)
+    model = peft.get_peft_model(model, peft.LoraConfig(**lora))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)
+    return model
+
+
 def write_tiny_llama(directory: str | Path, generation_markers: bool = True, seed: int = 0) -> Path:
     """`directory` with a tiny Llama (`save_pretrained`) and its chat tokenizer: what
     `model=hf_causal_lm model.path=DIR` loads, the tokenizer and chat template included."""

@@ -25,9 +25,14 @@ pytestmark = pytest.mark.timeout(300)
 
 def tiny_llama(vocab_size: int = 64) -> torch.nn.Module:
     config = transformers.LlamaConfig(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     return transformers.LlamaForCausalLM(config)
 
 
@@ -187,10 +192,16 @@ def word_tokenizer(texts: list[str]) -> Any:
 
 def tiny_bert(vocab_size: int, num_labels: int = 2) -> torch.nn.Module:
     config = transformers.BertConfig(
-        vocab_size=vocab_size, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=32, num_labels=num_labels,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-    )  # fmt: skip
+        vocab_size=vocab_size,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        num_labels=num_labels,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     return transformers.BertForSequenceClassification(config)
 
 
@@ -303,13 +314,20 @@ def test_the_cli_fine_tunes_a_classifier_dir_and_exports_it_with_its_tokenizer_a
     tokenizer.save_pretrained(model_dir)
     run = run_train(
         [
-            "model=hf_sequence_classification", f"model.path={model_dir}", "model.num_labels=2",
-            "data=hf_classification", f"data.dataset.data_files={classification_files / 'rows.jsonl'}",
-            "loss=model", "metrics.accuracy.num_classes=2", "scheduler=constant", "trainer.epochs=2",
-            "trainer.batch_size=32", "trainer.log_freq=5",
+            "model=hf_sequence_classification",
+            f"model.path={model_dir}",
+            "model.num_labels=2",
+            "data=hf_classification",
+            f"data.dataset.data_files={classification_files / 'rows.jsonl'}",
+            "loss=model",
+            "metrics.accuracy.num_classes=2",
+            "scheduler=constant",
+            "trainer.epochs=2",
+            "trainer.batch_size=32",
+            "trainer.log_freq=5",
         ],
         tmp_path / "run",
-    )  # fmt: skip
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert f"data: the tokenizer of {model_dir}" in run.stdout
     log = (tmp_path / "run" / "train.log").read_text()  # the console, also in the run dir
@@ -457,8 +475,13 @@ def test_a_causal_lm_is_its_backbones_last_hidden_state_and_its_head():
         assert torch.allclose(head(hidden(input_ids=ids)), model(input_ids=ids).logits, atol=1e-6)
     assert head is model.lm_head
     gemma = transformers.Gemma2Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16,
-    )  # fmt: skip
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
     assert hf.causal_lm_parts(transformers.Gemma2ForCausalLM(gemma)) is None
     assert hf.causal_lm_parts(model.model) is None  # the backbone alone: no head

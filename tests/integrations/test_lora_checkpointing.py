@@ -30,9 +30,14 @@ HOW = ["hf reentrant", "hf non-reentrant", "peft-wrapped, hf reentrant", "strate
 def base():
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=T,
-    )  # fmt: skip
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=T,
+    )
     tokens = torch.randint(0, V, (8, T))
     return transformers.LlamaForCausalLM(config), [{"input_ids": t, "labels": t} for t in tokens]
 
@@ -61,9 +66,12 @@ def engine_for(base, how: str | None, stage: int = 3) -> tuple[Engine, list[int]
     for layer in (m for m in model.modules() if type(m).__name__ == "LlamaMLP"):
         layer.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     engine = Engine(
-        model, "model", functools.partial(torch.optim.SGD, lr=LR), adapter=adapter,
+        model,
+        "model",
+        functools.partial(torch.optim.SGD, lr=LR),
+        adapter=adapter,
         strategy=Strategy(sharding={"stage": stage}, recompute={"enable": recompute}),
-    )  # fmt: skip
+    )
     return engine, calls
 
 

@@ -19,6 +19,7 @@ from framework.integrations import hf, peft_files
 from framework.integrations import peft as adapters
 
 from ..conftest import ROOT, run_cmd, torchrun
+from ..helpers.tiny_chat import random_lora
 
 peft = pytest.importorskip("peft", reason="needs the hf extra: pip install -e '.[hf]'")
 transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
@@ -239,16 +240,9 @@ def test_lora_on_a_plain_torch_module_saves_a_complete_checkpoint_and_exports_fo
 
 
 def _lora_head(**extra):
-    config = peft.LoraConfig(
-        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "lm_head"], **extra
+    return random_lora(
+        tiny_llama(), r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "lm_head"], **extra
     )
-    torch.manual_seed(1)
-    model = peft.get_peft_model(tiny_llama(), config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.2)
-    return model
 
 
 def test_a_lora_head_is_its_base_layer_and_low_rank_terms():

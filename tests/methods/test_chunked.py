@@ -19,6 +19,7 @@ from framework.methods.rollout import completion_mask, laid_out, token_logps
 from framework.methods.tokens import answer_stats, score_answers
 from framework.models import GPT
 from tests.conftest import run_layout_script
+from tests.helpers.tiny_chat import random_lora
 
 peft = pytest.importorskip("peft", reason="needs the hf extra: pip install -e '.[hf]'")
 transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
@@ -29,23 +30,22 @@ LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_
 
 def llama(tied=False, vocab=V):
     config = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied,
-    )  # fmt: skip
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config)
 
 
 def lora(targets, dropout=0.0, **extra):
     """A tiny Llama with LoRA on `targets`, its B matrices random (the adapters count from the start)."""
-    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=targets, **extra)
-    torch.manual_seed(1)
-    model = peft.get_peft_model(llama(), config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.2)
-    return model
+    return random_lora(llama(), r=4, lora_alpha=8, lora_dropout=dropout, target_modules=targets, **extra)
 
 
 MODELS = {
@@ -226,9 +226,14 @@ def _wrapped_forward():
 
 def _softcapped():
     config = transformers.Gemma2Config(
-        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16,
-    )  # fmt: skip
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
     return transformers.Gemma2ForCausalLM(config)
 
 

@@ -55,9 +55,11 @@ def test_the_api_writes_tensorboard_events_and_an_unreachable_mlflow_falls_back_
     flow = MLflowLogger(tracking_uri=dead, output_dir=str(tmp_path), run_config={"optimizer": {"lr": 0.1}})
     data = torch.utils.data.TensorDataset(torch.randn(96, 64), torch.randint(0, 10, (96,)))
     engine = Engine(
-        MLP(hidden=[16]), torch.nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1),
+        MLP(hidden=[16]),
+        torch.nn.CrossEntropyLoss(),
+        functools.partial(torch.optim.SGD, lr=0.1),
         callbacks=[board, flow],
-    )  # fmt: skip
+    )
     start = time.perf_counter()
     engine.fit(data, epochs=2, batch_size=8, log_freq=4)
     assert time.perf_counter() - start < 30
@@ -93,13 +95,26 @@ def mlflow_server_process(tmp_path):
     port = free_port()
     proc = subprocess.Popen(
         [
-            sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-            "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
-            "--default-artifact-root", str(tmp_path / "artifacts"), "--workers", "1",
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{tmp_path / 'mlflow.db'}",
+            "--default-artifact-root",
+            str(tmp_path / "artifacts"),
+            "--workers",
+            "1",
         ],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
         env=subprocess_env(MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false"),
-    )  # fmt: skip
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(120):
@@ -139,12 +154,15 @@ def mlflow_server(mlflow_server_process):
 def test_two_processes_log_once_to_a_real_mlflow_server_tensorboard_and_wandb(tmp_path, mlflow_server):
     run = run_train(
         [
-            "logger=[wandb,tensorboard,mlflow]", f"logger.mlflow.tracking_uri={mlflow_server}",
-            "logger.mlflow.experiment=trackers", "trainer.devices=2", *FAST,
+            "logger=[wandb,tensorboard,mlflow]",
+            f"logger.mlflow.tracking_uri={mlflow_server}",
+            "logger.mlflow.experiment=trackers",
+            "trainer.devices=2",
+            *FAST,
         ],
         tmp_path / "run",
         env=subprocess_env(WANDB_MODE="offline"),
-    )  # fmt: skip
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert len(list((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))) == 1
     ((found, client),) = mlflow_runs(mlflow_server, "trackers")  # one run: rank 0 alone wrote
@@ -175,9 +193,11 @@ def test_mlflow_artifacts_on_the_local_store_are_the_run_files_once_and_quiet(tm
     flow = MLflowLogger(output_dir=str(tmp_path), log_artifacts=True)
     data = torch.utils.data.TensorDataset(torch.randn(32, 64), torch.randint(0, 10, (32,)))
     engine = Engine(
-        MLP(hidden=[16]), torch.nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1),
+        MLP(hidden=[16]),
+        torch.nn.CrossEntropyLoss(),
+        functools.partial(torch.optim.SGD, lr=0.1),
         callbacks=[flow],
-    )  # fmt: skip
+    )
     said = Records()
     logging.getLogger("mlflow").addHandler(said)
     try:
@@ -199,9 +219,11 @@ def test_a_tensorboard_dir_that_cannot_be_written_is_one_line(tmp_path):
     board = TensorBoardLogger(log_dir=str(tmp_path / "file" / "tb"))
     data = torch.utils.data.TensorDataset(torch.randn(16, 64), torch.randint(0, 10, (16,)))
     engine = Engine(
-        MLP(hidden=[16]), torch.nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1),
+        MLP(hidden=[16]),
+        torch.nn.CrossEntropyLoss(),
+        functools.partial(torch.optim.SGD, lr=0.1),
         callbacks=[board],
-    )  # fmt: skip
+    )
     with pytest.raises(
         ConfigError, match=r"TensorBoard's log dir .*file/tb cannot be written \(Not a directory\)"
     ):

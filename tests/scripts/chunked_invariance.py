@@ -22,7 +22,6 @@ import json
 import sys
 from pathlib import Path
 
-import peft
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -30,6 +29,7 @@ from framework import Callback, Engine, ProcessContext, Strategy
 from framework.methods import SFT
 from framework.methods.tokens import answer_stats
 from framework.models import GPT
+from tests.helpers.tiny_chat import random_lora
 
 out_dir = Path(sys.argv[1])
 out_dir.mkdir(parents=True, exist_ok=True)
@@ -47,26 +47,23 @@ LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_
 
 def llama(tied=False):
     config = LlamaConfig(
-        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=T, tie_word_embeddings=tied,
-    )  # fmt: skip
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=T,
+        tie_word_embeddings=tied,
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM(config)
 
 
 def adapted(model, on_head):
     """LoRA (r=4) with random B matrices, so the adapters change the loss from the first step."""
-    config = peft.LoraConfig(
-        r=4, lora_alpha=8, lora_dropout=0.0,
-        target_modules=[*LINEAR, "lm_head"] if on_head else LINEAR,
-    )  # fmt: skip
-    torch.manual_seed(1)
-    model = peft.get_peft_model(model, config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.2)
-    return model
+    targets = [*LINEAR, "lm_head"] if on_head else LINEAR
+    return random_lora(model, r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets)
 
 
 def gpt():
@@ -130,10 +127,12 @@ def train(kind, stage, acc, chunked=True):
     # logits are [rows, positions, V]; the chunks give [4, positions] (the GPT's embedding: [.., .., 32])
     head.register_forward_hook(lambda _m, _i, out: calls.append(out.dim() == 3 and out.shape[-1] == V))
     engine = Engine(
-        model, optimizer=functools.partial(torch.optim.SGD, lr=LR),
+        model,
+        optimizer=functools.partial(torch.optim.SGD, lr=LR),
         strategy=Strategy(sharding={"stage": stage}, gradient_merge={"k_steps": acc}),
-        process=job, train_step=SFT(chunked_loss=chunked, chunk_size=CHUNK),
-    )  # fmt: skip
+        process=job,
+        train_step=SFT(chunked_loss=chunked, chunk_size=CHUNK),
+    )
     logged = Logged()
     logged.engine = engine
     rows = [{"idx": r["input_ids"], "labels": r["labels"]} for r in data] if kind == "gpt" else data
